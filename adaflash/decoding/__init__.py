@@ -1,0 +1,1 @@
+"""Pure decoding math: logits processing, acceptance rules, verify-length policies."""

@@ -1,0 +1,1 @@
+"""The serving engine: continuous batching around the speculative round."""

@@ -1,0 +1,135 @@
+"""Runs an Engine on its own thread and streams text deltas to asyncio callers.
+
+The engine thread is the only one that mutates engine state; callers reach it through the
+engine's command queue. A caller that stops iterating (client disconnect, cancellation) aborts
+its request, which frees the request's slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from adaflash.config import SamplingParams
+from adaflash.engine.detokenize import TextStreamer
+from adaflash.engine.engine import Engine
+from adaflash.engine.request import TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    request_id: str
+    text: str  # newly released text
+    token_ids: tuple[int, ...]
+    kinds: tuple[str, ...]  # per token: "draft" (accepted draft) or "target" (bonus / AR)
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+
+
+class EngineRunner:
+    def __init__(
+        self,
+        engine: Engine,
+        decode: Callable[[list[int]], str] | None = None,
+        idle_wait_s: float = 0.05,
+    ) -> None:
+        self.engine = engine
+        self.decode = decode or engine.detokenize
+        self.idle_wait_s = idle_wait_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.step_errors = 0
+
+    # -- life cycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="adaflash-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop the engine thread: let running requests finish for up to ``drain_timeout_s``,
+        then abort what is left (every open stream ends with finish_reason "abort")."""
+        if self._thread is None:
+            return
+        deadline = time.monotonic() + drain_timeout_s
+        while self.engine.has_work and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.engine.abort_all()
+        self._wake.set()
+        deadline = time.monotonic() + 10.0
+        while self.engine.has_work and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def notify(self) -> None:
+        """Wake the engine thread (after queueing a command)."""
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                worked = self.engine.step()
+            except Exception as exc:  # a bug in a step must not kill serving
+                log.exception("engine step failed; failing the requests in flight")
+                self.step_errors += 1
+                self.engine.fail_all(f"internal error: {exc}")
+                worked = False
+            if not worked:
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+
+    # -- streaming ---------------------------------------------------------------------------
+    async def stream(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        domain: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        """Yield text deltas as rounds commit tokens. Raises ValueError for invalid requests."""
+        params = params or SamplingParams()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def on_event(ev: TokenEvent) -> None:
+            # RuntimeError: the caller's loop is gone; the request gets aborted below
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        rid = self.engine.add_request(
+            prompt_ids, params, request_id=request_id, domain=domain, on_event=on_event
+        )
+        self.notify()
+        streamer = TextStreamer(self.decode, params.stop) if self.decode else None
+        finished = False
+        try:
+            while not finished:
+                ev = await events.get()
+                finished = ev.finished
+                text = streamer.push(ev.token_ids, final=finished) if streamer else ""
+                yield StreamDelta(
+                    rid, text, ev.token_ids, ev.kinds, ev.finished, ev.finish_reason, ev.error
+                )
+        finally:
+            if not finished:
+                self.engine.abort(rid)
+                self.notify()

@@ -1,0 +1,189 @@
+"""The DFlash diffusion drafter (SPEC §2), loadable from and savable to published checkpoints.
+
+One forward pass drafts a whole block: slot 0 holds the anchor (the last committed token), slots
+1…k−1 hold ``mask_token_id``; slot i predicts the token at absolute position p+i through the
+target's frozen LM head. Context enters by KV injection: the target's hidden states at K layers
+are fused (``fc`` then ``hidden_norm``) into one vector c_t per committed position, and every
+drafter layer projects c with its own k_proj/v_proj (+k_norm, +RoPE) and prepends them to the
+block's keys/values. Queries come only from the block; attention is bidirectional inside the block
+and sees all context. The drafter owns no embedding and no LM head.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaflash.config import DrafterConfig
+from adaflash.models.checkpoint import load_tensors, resolve_dtype, save_tensors
+from adaflash.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend
+from adaflash.models.length_head import LengthHead
+
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (kv_heads, n, d) each
+HEAD_PREFIX = "length_head."
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def project_kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> KV:
+        """h (n, H) → keys, values (kv_heads, n, d) at the positions of cos/sin."""
+        n = h.shape[0]
+        k = self.k_norm(self.k_proj(h).view(n, self.kv_heads, self.head_dim))
+        k = apply_rope(k, cos, sin)
+        v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, Q, H) block states after input_layernorm
+        cos: torch.Tensor,  # (B, Q, d)
+        sin: torch.Tensor,
+        ctx_kv: list[KV],  # per item: context keys/values of this layer (kv_heads, C_b, d)
+        masks: list[torch.Tensor | None] | None,  # per item (Q, C_b + Q) bool, None = see all
+    ) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        outs = []
+        for i in range(b):
+            q = self.q_norm(self.q_proj(x[i]).view(q_len, self.heads, self.head_dim))
+            q = apply_rope(q, cos[i], sin[i])  # (Q, heads, d)
+            k_blk, v_blk = self.project_kv(x[i], cos[i], sin[i])  # (kv_heads, Q, d)
+            k = torch.cat([ctx_kv[i][0], k_blk], dim=1)  # (kv_heads, C_b + Q, d)
+            v = torch.cat([ctx_kv[i][1], v_blk], dim=1)
+            outs.append(attend(q, k, v, None if masks is None else masks[i]))
+        return self.o_proj(torch.stack(outs))  # (B, Q, H)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_kv: list[KV],
+        masks: list[torch.Tensor | None] | None,
+    ) -> torch.Tensor:
+        # Context never passes this layer's input norm or MLP: only its k/v projections.
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_kv, masks)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Drafter layers, fusion and the adaptive length head (saved under ``length_head.*``)."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.fc = nn.Linear(cfg.num_features * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.length_head = LengthHead(h, cfg.length_head_hidden)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.head_trained = True  # False when loaded from a plain DFlash checkpoint
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def drafter_layers(self) -> list[DrafterLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DrafterLayer)]
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features (n, K·H) → context vectors c (n, H)."""
+        assert features.shape[-1] == self.fc.in_features, "features must be K·H wide"
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[KV]:
+        """Per layer keys/values of the context: features (n, K·H), positions (n,)."""
+        c = self.fuse(features.to(self.dtype))  # (n, H)
+        cos, sin = self.rotary(positions, c.dtype)
+        return [layer.self_attn.project_kv(c, cos, sin) for layer in self.drafter_layers]
+
+    def forward(
+        self,
+        block: torch.Tensor,  # (B, Q, H) target embeddings of [anchor, mask, …]
+        positions: torch.Tensor,  # (B, Q) absolute positions
+        ctx_kv: list[list[KV]],  # [item][layer] context keys/values
+        masks: list[torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """Final normed block states (B, Q, H); the target LM head turns them into drafts."""
+        b, q_len, _ = block.shape
+        assert positions.shape == (b, q_len) and len(ctx_kv) == b
+        cos, sin = self.rotary(positions.reshape(-1), block.dtype)
+        cos, sin = cos.view(b, q_len, -1), sin.view(b, q_len, -1)  # (B, Q, d)
+        x = block
+        for li, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, [kv[li] for kv in ctx_kv], masks)
+        return self.norm(x)
+
+
+# -- checkpoint format ------------------------------------------------------------------------
+
+
+def save_drafter(
+    drafter: DFlashDrafter,
+    folder: str | Path,
+    metadata: dict[str, Any] | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> Path:
+    """Write a DFlash-format folder: ``config.json`` + ``model.safetensors`` (head included)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(drafter.cfg.to_hf_dict(), indent=2) + "\n")
+    state = drafter.state_dict()
+    if dtype is not None:
+        dt = resolve_dtype(dtype)
+        state = {k: v.to(dt) for k, v in state.items()}
+    meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
+    save_tensors(state, folder / "model.safetensors", meta)
+    return folder
+
+
+def load_drafter(
+    folder: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
+) -> DFlashDrafter:
+    """Load a DFlash drafter folder. A plain DFlash checkpoint (no ``length_head.*``) loads with a
+    freshly initialised head; ``drafter.head_trained`` says which."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a drafter folder needs a config.json")
+    cfg = DrafterConfig.from_hf_dict(json.loads(path.read_text()))
+    state = load_tensors(folder, resolve_dtype(dtype))
+    drafter = DFlashDrafter(cfg).to(resolve_dtype(dtype))
+    has_head = any(k.startswith(HEAD_PREFIX) for k in state)
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    missing = [k for k in missing if has_head or not k.startswith(HEAD_PREFIX)]
+    if missing or unexpected:
+        raise ValueError(
+            f"{folder}: weights do not match the DFlash layout of its config.json "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    for name, t in state.items():
+        if torch.isnan(t).any() or torch.isinf(t).any():
+            raise ValueError(f"{folder}: tensor {name} holds NaN or Inf values")
+    drafter.head_trained = has_head
+    return drafter.to(device).eval()

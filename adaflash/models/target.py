@@ -1,0 +1,221 @@
+"""A compact Llama / Qwen3 decoder that runs packed ragged batches (our runtime, not HF's).
+
+A packed batch is the new tokens of many requests concatenated into one (T,) tensor; each request
+brings its own number of new tokens. Embeddings, norms, projections, MLP and LM head run on the
+packed tensor; only attention loops over requests, each over its own KV-cache slot. This is what
+makes variable-length verification cost Σ k̂_i tokens instead of batch × max k̂ (SPEC §5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from adaflash.config import TargetConfig
+from adaflash.models.checkpoint import load_tensors, resolve_dtype
+from adaflash.models.kv_cache import KVCache
+from adaflash.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend, causal_mask
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """New tokens of several requests, packed. ``lengths[i]`` tokens belong to ``slots[i]``."""
+
+    input_ids: torch.Tensor  # (T,)
+    slots: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert self.input_ids.dim() == 1, "input_ids must be packed (T,)"
+        assert len(self.slots) == len(self.lengths), "one length per slot"
+        assert all(n > 0 for n in self.lengths), "every request brings at least one token"
+        assert sum(self.lengths) == self.input_ids.numel(), "lengths must sum to T"
+
+    @property
+    def offsets(self) -> list[int]:
+        out, acc = [], 0
+        for n in self.lengths:
+            out.append(acc)
+            acc += n
+        return out
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # (T, V) for "all", (B, V) for "last"; float32
+    features: torch.Tensor | None  # (T, K·H) captured layer outputs, or None
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, H)
+        cos: torch.Tensor,  # (T, d)
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        batch: PackedBatch,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)  # (T, heads, d)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)  # (T, kv_heads, d)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        outs = []
+        for slot, off, n in zip(batch.slots, batch.offsets, batch.lengths, strict=True):
+            past = cache.length(slot)
+            keys, values = cache.write(
+                slot, layer, k[off : off + n].transpose(0, 1), v[off : off + n].transpose(0, 1)
+            )  # (kv_heads, past + n, d)
+            outs.append(attend(q[off : off + n], keys, values, causal_mask(n, past, x.device)))
+        return self.o_proj(torch.cat(outs))  # (T, H)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        batch: PackedBatch,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TargetModel(nn.Module):
+    """The target LLM. Frozen at serving time; its embedding and LM head also serve the drafter."""
+
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, initial_capacity: int = 256) -> KVCache:
+        c = self.cfg
+        return KVCache(
+            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, initial_capacity
+        )
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: (N, H) → (N, V) float32."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: PackedBatch,
+        cache: KVCache,
+        *,
+        capture_layers: tuple[int, ...] = (),
+        logits: str | torch.Tensor = "all",
+    ) -> TargetOutput:
+        """Run the new tokens of every request; append their keys/values to the cache.
+
+        ``capture_layers`` are layer indices whose outputs (HF ``hidden_states[i + 1]``) are
+        returned concatenated as drafter context features. ``logits`` is "all" (every packed
+        position), "last" (one row per request), "none", or a tensor of packed row indices.
+        """
+        ids = batch.input_ids.to(self.device)
+        positions = torch.cat(
+            [
+                torch.arange(cache.length(s), cache.length(s) + n)
+                for s, n in zip(batch.slots, batch.lengths, strict=True)
+            ]
+        ).to(self.device)  # (T,)
+        for slot, n in zip(batch.slots, batch.lengths, strict=True):
+            cache.reserve(slot, n)
+        x = self.embed_tokens(ids)  # (T, H)
+        cos, sin = self.rotary(positions, x.dtype)  # (T, d) each
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, batch)
+            if i in capture_layers:
+                captured[i] = x
+        for slot, n in zip(batch.slots, batch.lengths, strict=True):
+            cache.advance(slot, n)
+        features = (
+            torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        )  # (T, K·H), in the order asked for
+        if isinstance(logits, torch.Tensor):
+            out = self.logits(x[logits.to(self.device)]) if logits.numel() else None
+        elif logits == "all":
+            out = self.logits(x)  # (T, V)
+        elif logits == "last":
+            ends = torch.tensor(batch.offsets) + torch.tensor(batch.lengths) - 1
+            out = self.logits(x[ends.to(self.device)])  # (B, V)
+        elif logits == "none":
+            out = None
+        else:
+            raise ValueError(f"logits must be 'all', 'last', 'none' or row indices, got {logits!r}")
+        return TargetOutput(out, features)
+
+
+def load_target(
+    folder: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
+) -> TargetModel:
+    """Build the target from a Hugging Face folder (``config.json`` + safetensors, sharded too)."""
+    cfg = TargetConfig.from_folder(folder)
+    dt = resolve_dtype(dtype)
+    tensors = load_tensors(folder, dt)
+    state = {k.removeprefix("model."): v for k, v in tensors.items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state:
+        raise ValueError(f"{folder}: lm_head.weight missing and embeddings are not tied")
+    with torch.device("meta"):
+        model = TargetModel(cfg)
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    unexpected = [k for k in unexpected if "rotary_emb" not in k]
+    if missing or unexpected:
+        raise ValueError(
+            f"{folder}: weights do not match a {cfg.model_type} model with this config "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    model.to(device)
+    model.eval().requires_grad_(False)
+    return model

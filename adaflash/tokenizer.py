@@ -1,0 +1,41 @@
+"""Tokenizer and chat template of the target, read from its folder (no hub access)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+class Tokenizer:
+    def __init__(self, tok: PreTrainedTokenizerBase) -> None:
+        self.tok = tok
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.tok.eos_token_id
+        return () if eos is None else (int(eos),)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=True))
+
+    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for the
+        assistant's reply."""
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        out: Any = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a dict
+        return [int(t) for t in ids]

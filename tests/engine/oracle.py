@@ -1,0 +1,79 @@
+"""An engine whose drafts are the target's own greedy continuation (a logic stub, not a model).
+
+Drafts are corrupted at a fixed pseudo-random set of slots, so rounds accept long prefixes, stop
+at a corrupted slot, and exercise KV truncation and bonus tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+import torch
+
+from adaflash.engine.engine import Engine
+from adaflash.engine.request import Request
+from adaflash.models.target import PackedBatch, TargetModel
+
+Continuation = Callable[[tuple[int, ...], int], list[int]]
+
+
+def from_references(references: dict[tuple[int, ...], list[int]]) -> Continuation:
+    """Continuations read from precomputed greedy sequences (prompt → prompt + continuation)."""
+
+    def cont(prefix: tuple[int, ...], n: int) -> list[int]:
+        for prompt, seq in references.items():
+            if prefix[: len(prompt)] == prompt and tuple(seq[: len(prefix)]) == prefix:
+                return seq[len(prefix) : len(prefix) + n]
+        return []
+
+    return cont
+
+
+def greedy_continuation(target: TargetModel) -> Continuation:
+    """The target's greedy continuation of any prefix, memoised (cheap when prefixes repeat)."""
+
+    @cache
+    def cont(prefix: tuple[int, ...], n: int) -> list[int]:
+        cache = target.new_cache()
+        slot = cache.allocate()
+        ids, out = list(prefix), []
+        for _ in range(n):
+            logits = target(
+                PackedBatch(torch.tensor(ids), (slot,), (len(ids),)), cache, logits="last"
+            ).logits
+            ids = [int(logits.argmax())]
+            out.append(ids[0])
+        return out
+
+    return cont
+
+
+class OracleEngine(Engine):
+    def __init__(
+        self,
+        *args,
+        continuation: Continuation,
+        corrupt_every: int = 7,  # type: ignore[no-untyped-def]
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.continuation = continuation
+        self.corrupt_every = corrupt_every
+
+    def _draft_tokens(
+        self, reqs: list[Request], states: torch.Tensor, width: int
+    ) -> list[list[int]]:
+        vocab = self.target.cfg.vocab_size
+        out = []
+        for r in reqs:
+            p = r.anchor_pos
+            cont = self.continuation(tuple(r.prompt_ids + r.output_ids), width) if width else []
+            row = []
+            for i in range(1, width + 1):
+                tok = cont[i - 1] if i - 1 < len(cont) else 0
+                if (p * 31 + i * 17) % self.corrupt_every == 0:
+                    tok = (tok + 1) % vocab
+                row.append(tok)
+            out.append(row)
+        return out

@@ -1,0 +1,155 @@
+"""Greedy speculative output equals Hugging Face ``generate(do_sample=False)`` in fp32."""
+
+import pytest
+import torch
+
+from adaflash.config import EngineConfig, SamplingParams
+from adaflash.engine.engine import Engine
+from tests.engine.conftest import random_drafter
+from tests.engine.oracle import OracleEngine, from_references
+
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [30], [40, 41, 42, 43, 44]]
+NEW = 40
+
+
+def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    ref.generation_config.eos_token_id = None
+    out = ref.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(tiny):
+    _, _, ref = tiny
+    return {tuple(p): p + hf_greedy(ref, p, NEW + 20) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("policy", ["ar", "fixed", "head"])
+@pytest.mark.parametrize("drafter_kind", ["random", "oracle"])
+def test_greedy_matches_hf_generate(tiny, references, policy, drafter_kind):
+    _, target, _ = tiny
+    cfg = EngineConfig(policy=policy, max_batch_tokens=40, max_prefill_tokens=8, gamma=1.3)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    drafter = random_drafter(target)
+    if drafter_kind == "oracle":
+        engine = OracleEngine(target, drafter, cfg, continuation=from_references(references))
+    else:
+        engine = Engine(target, drafter, cfg)
+    results = engine.generate(PROMPTS, params)
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
+        assert res.finish_reason == "length"
+    c = engine.counters
+    if policy == "ar":
+        assert c.verify_len == 1.0 and c.accept_len == 1.0
+    elif drafter_kind == "oracle":
+        # long acceptances happened: truncation after partial acceptance and bonus tokens
+        assert c.accept_len > 3.0, c.summary()
+        assert 0 < c.acceptance_rate < 1
+    if policy == "head":
+        assert c.verify_len < 16  # the head chose shorter blocks than the fixed k
+
+
+def test_budget_defers_and_chunked_prefill_stay_exact(tiny, references):
+    """A verification budget of one block forces deferrals; 3-token prefill chunks force
+    chunked prefill. Output is still identical."""
+    _, target, _ = tiny
+    cfg = EngineConfig(policy="fixed", max_batch_tokens=16, max_prefill_tokens=3)
+    engine = OracleEngine(
+        target, random_drafter(target), cfg, continuation=from_references(references)
+    )
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
+    assert engine.admission.n_hat < 2.0  # the EMA learned that about one request fits
+
+
+def test_hot_swap_mid_generation_stays_exact(tiny, references):
+    _, target, _ = tiny
+    engine = OracleEngine(
+        target,
+        random_drafter(target, seed=0),
+        EngineConfig(policy="head", max_batch_tokens=64),
+        continuation=from_references(references),
+    )
+    results: dict = {}
+    ids = [
+        engine.add_request(
+            p,
+            SamplingParams(max_new_tokens=NEW, ignore_eos=True),
+            on_finish=lambda rec: results.__setitem__(rec.request_id, rec),
+        )
+        for p in PROMPTS
+    ]
+    for _ in range(4):
+        engine.step()
+    engine.swap_drafter(random_drafter(target, seed=1), "v1")
+    while engine.has_work:
+        engine.step()
+    assert engine.version == "v1" and engine.stats.swaps == 1
+    for prompt, rid in zip(PROMPTS, ids, strict=True):
+        want = references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
+        assert list(results[rid].output_ids) == want
+
+
+def test_eos_stops_like_hf(tiny):
+    """With EOS active, generation stops exactly where HF generate stops."""
+    _, target, ref = tiny
+    vocab_eos = None
+    prompt = [3, 4, 5]
+    # pick as EOS the 7th token HF would generate, so the stop happens mid-stream
+    cont = hf_greedy(ref, prompt, 12)
+    vocab_eos = cont[6]
+    stop_at = cont.index(vocab_eos)
+    engine = Engine(
+        target, random_drafter(target), EngineConfig(policy="fixed"), eos_token_ids=(vocab_eos,)
+    )
+    (res,) = engine.generate([prompt], SamplingParams(max_new_tokens=12))
+    assert list(res.output_ids) == cont[:stop_at]
+    assert res.finish_reason == "stop"
+
+
+def test_stop_token_ids_and_tokens_streamed_with_kinds(tiny, references):
+    _, target, _ = tiny
+    prompt = PROMPTS[1]
+    cont = references[tuple(prompt)][len(prompt) :]
+    engine = OracleEngine(
+        target,
+        random_drafter(target),
+        EngineConfig(policy="fixed"),
+        continuation=from_references(references),
+    )
+    events = []
+    engine.add_request(
+        prompt,
+        SamplingParams(max_new_tokens=30, stop_token_ids=(cont[9],), ignore_eos=True),
+        on_event=events.append,
+    )
+    while engine.has_work:
+        engine.step()
+    streamed = [t for e in events for t in e.token_ids]
+    assert streamed == cont[: cont.index(cont[9])]
+    assert events[-1].finished and events[-1].finish_reason == "stop"
+    kinds = [k for e in events for k in e.kinds]
+    assert "draft" in kinds and "target" in kinds and len(kinds) == len(streamed)
+
+
+def test_abort_frees_the_slot(tiny):
+    _, target, _ = tiny
+    engine = Engine(target, random_drafter(target), EngineConfig(policy="fixed"))
+    events = []
+    rid = engine.add_request(
+        [1, 2, 3], SamplingParams(max_new_tokens=100, ignore_eos=True), on_event=events.append
+    )
+    engine.step()
+    engine.step()
+    engine.abort(rid)
+    engine.step()
+    assert not engine.running and not engine.has_work
+    assert events[-1].finish_reason == "abort"
+    assert not any(s in engine.cache for s in range(10))
