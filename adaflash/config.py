@@ -323,3 +323,34 @@ class EngineConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Drafter + length-head training (SPEC §3–4; paper App. B.1)."""
+
+    loss: Literal["opd", "osd"] = "opd"  # osd = forward-KL baseline
+    alpha: float = 0.8  # weight of the hard CE term in ℓ_OPD
+    delta: float = 0.01  # entry-wise clip of the reverse KL
+    drafter_lr: float = 3e-4
+    head_lr: float = 2e-4
+    weight_decay: float = 0.0
+    anchors_per_seq: int = 32  # reference: 512 on GPU; fewer on a CPU
+    epochs: int = 2  # passes over the new trajectories per training round
+    batch_size: int = 1
+    accumulate: int = 2  # effective batch 2 (paper)
+    grad_clip: float = 1.0
+    bf16_autocast: bool = False  # on CPU only where it is faster
+    max_steps: int = -1
+    max_minutes: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("opd", "osd"):
+            raise ValueError(f"loss must be 'opd' or 'osd', got {self.loss!r}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.delta <= 0:
+            raise ValueError(f"delta must be > 0, got {self.delta}")
+        if self.anchors_per_seq < 1 or self.epochs < 1 or self.batch_size < 1:
+            raise ValueError("anchors_per_seq, epochs and batch_size must be ≥ 1")

@@ -25,6 +25,21 @@ class Tokenizer:
         eos = self.tok.eos_token_id
         return () if eos is None else (int(eos),)
 
+    def mask_token_id(self, vocab_size: int) -> int:
+        """The drafter's mask token: the first embedding row no token uses (151669 for Qwen3),
+        else a special token that never appears in chat traffic (SmolLM2's ``<empty_output>``,
+        SPEC §2)."""
+        if len(self.tok) < vocab_size:
+            return len(self.tok)
+        for name in ("<empty_output>", "<jupyter_script>"):
+            tid = self.tok.convert_tokens_to_ids(name)
+            if isinstance(tid, int) and tid != self.tok.unk_token_id:
+                return tid
+        raise ValueError(
+            "the vocabulary has no spare row and no known unused special token; "
+            "pass --mask-token-id"
+        )
+
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 

