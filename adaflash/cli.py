@@ -1,4 +1,8 @@
-"""The ``adaflash`` command line: one sub-command per plain function."""
+"""The pure ``adaflash`` sub-commands (generate, pull, regenerate), one plain function each.
+
+The full command line, with training, the trainer and the server, is ``app.cli`` (the
+``adaflash`` entry point); it adds its sub-commands to these.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,8 @@ from adaflash.models.drafter import load_drafter
 from adaflash.models.target import load_target
 from adaflash.pull import PullError
 from adaflash.tokenizer import Tokenizer
+
+DEFAULT_DRAFTER = "smollm2-135m-dflash-chat"
 
 
 def build_engine(
@@ -54,11 +60,39 @@ def encode_prompt(tok: Tokenizer, text: str, chat: bool, system: str | None = No
     return tok.encode(text)
 
 
+def default_drafter() -> Path | None:
+    """The drafter shipped in the repository for the default target, when present."""
+    path = Path(__file__).resolve().parent.parent / "assets" / "drafters" / DEFAULT_DRAFTER
+    return path if (path / "config.json").is_file() else None
+
+
+def resolve_drafter(spec: str | None, target_spec: str | None) -> str | None:
+    """``none`` → no drafter; a folder → itself; unset → the shipped default drafter when the
+    target is the default one."""
+    from adaflash.pull import DEFAULT_TARGET
+
+    if spec == "none":
+        return None
+    if spec:
+        return spec
+    if target_spec in (None, DEFAULT_TARGET):
+        found = default_drafter()
+        return str(found) if found else None
+    return None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from adaflash.pull import resolve_target
+
+    drafter = resolve_drafter(args.drafter, args.target)
     cfg = EngineConfig(
-        policy=args.policy, gamma=args.gamma, dtype=args.dtype, num_threads=args.threads
+        policy=args.policy or ("head" if drafter else "ar"),
+        gamma=args.gamma,
+        dtype=args.dtype,
+        num_threads=args.threads,
     )
-    engine, tok = build_engine(args.target, args.drafter, cfg)
+    target = resolve_target(args.target, progress=lambda m: print(m, file=sys.stderr))
+    engine, tok = build_engine(target, drafter, cfg)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -132,7 +166,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
         print(f"{out}: all {len(done)} prompts already answered")
         return 0
     cfg = EngineConfig(
-        policy=args.policy,
+        policy=args.policy or ("head" if args.drafter else "ar"),
         dtype=args.dtype,
         num_threads=args.threads,
         max_running_requests=args.batch,
@@ -172,108 +206,6 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    """Train a drafter + length head on trajectory files; write a DFlash-format folder."""
-    from adaflash.config import DistillConfig
-    from adaflash.models.drafter import load_drafter
-    from adaflash.pull import resolve_target
-    from adaflash.workloads import read_trajectories
-    from lightning_modules.train import fit, new_drafter, save_run
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target_dir = resolve_target(args.target)
-    target = load_target(target_dir, args.target_dtype)
-    train = read_trajectories([Path(p) for p in args.trajectories])
-    val = read_trajectories([Path(p) for p in args.val]) if args.val else None
-    if args.init:
-        drafter = load_drafter(args.init, "float32")
-        drafter.cfg.check_target(target.cfg)
-    else:
-        mask = (
-            args.mask_token_id
-            if args.mask_token_id is not None
-            else Tokenizer.from_folder(target_dir).mask_token_id(target.cfg.vocab_size)
-        )
-        drafter = new_drafter(
-            target,
-            mask_token_id=mask,
-            num_layers=args.layers,
-            num_features=args.num_features,
-            intermediate_size=args.intermediate_size,
-            block_size=args.block_size,
-            init_from_target=not args.random_init,
-            seed=args.seed,
-        )
-    cfg = DistillConfig(
-        loss=args.loss,
-        epochs=args.epochs,
-        anchors_per_seq=args.anchors,
-        max_steps=args.max_steps,
-        max_minutes=args.max_minutes,
-        drafter_lr=args.lr,
-        head_lr=args.head_lr,
-        bf16_autocast=args.bf16_autocast,
-        seed=args.seed,
-    )
-    result = fit(drafter, target, train, val, cfg, log_dir=Path(args.out) / "logs")
-    data = {
-        "trajectories": [str(p) for p in args.trajectories],
-        "sequences": len(train),
-        "domains": sorted({t.domain for t in train}),
-        "target": str(target_dir),
-        "init": args.init or ("random" if args.random_init else "target layers"),
-    }
-    save_run(
-        result,
-        Path(args.out),
-        title=args.title,
-        data=data,
-        cfg=cfg,
-        metadata={"parent": args.init or "scratch"},
-    )
-    print(json.dumps(result.summary(), indent=2))
-    print(f"wrote {args.out}")
-    return 0
-
-
-def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a drafter + length head on trajectories (Lightning)")
-    p.add_argument("trajectories", nargs="+", help="trajectory JSONL files (adaflash regenerate)")
-    p.add_argument("--out", required=True, help="output DFlash-format folder")
-    p.add_argument("--target", default=None, help="model folder or name (default: smollm2)")
-    p.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--init", default=None, help="start from this drafter folder")
-    p.add_argument("--val", nargs="*", default=None, help="held-out trajectory files")
-    p.add_argument("--loss", choices=["opd", "osd"], default="opd")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--max-steps", type=int, default=-1)
-    p.add_argument("--max-minutes", type=float, default=None)
-    p.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--head-lr", type=float, default=2e-4)
-    p.add_argument("--bf16-autocast", action="store_true")
-    p.add_argument("--layers", type=int, default=3, help="drafter layers (from scratch)")
-    p.add_argument(
-        "--num-features",
-        type=int,
-        default=None,
-        help="K target layers (default: as many as drafter layers)",
-    )
-    p.add_argument("--intermediate-size", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--mask-token-id", type=int, default=None)
-    p.add_argument(
-        "--random-init",
-        action="store_true",
-        help="random drafter layers instead of copies of the target's last layers",
-    )
-    p.add_argument("--title", default="AdaFlash drafter")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
-    p.set_defaults(func=cmd_train)
-
-
 def _add_pull(sub: argparse._SubParsersAction) -> None:
     from adaflash.pull import DEFAULT_MODELS, DEFAULT_TARGET
 
@@ -310,8 +242,18 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "generate", help="generate text for one or more prompts and print round statistics"
     )
     p.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
-    p.add_argument("--target", required=True, help="Hugging Face folder of the target model")
-    p.add_argument("--drafter", help="DFlash drafter folder (omit for plain decoding)")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="model folder, default model name or hub id "
+        "(default: smollm2, pulled into the cache on first use)",
+    )
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="DFlash drafter folder, or 'none' for plain "
+        "decoding (default: the drafter shipped for the default target)",
+    )
     p.add_argument(
         "--policy",
         choices=POLICIES,
@@ -331,22 +273,17 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="adaflash", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """The pure sub-commands (no training, database or web stack)."""
     _add_generate(sub)
     _add_pull(sub)
     _add_regenerate(sub)
-    _add_train(sub)
-    args = parser.parse_args(argv)
-    if getattr(args, "policy", "unset") is None:
-        args.policy = "head" if getattr(args, "drafter", None) else "ar"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed sub-command; expected failures print one line and exit 2."""
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError, PullError) as exc:
         print(f"adaflash: error: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

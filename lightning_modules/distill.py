@@ -67,8 +67,8 @@ class DrafterDistillation(L.LightningModule):
         accepted = torch.cat([o.accepted for o in outs]).float()
         row = {
             "step": float(self.global_step),
-            "draft_loss": float(torch.stack([o.draft_loss for o in outs]).mean()),
-            "head_loss": float(torch.stack([o.head_loss for o in outs]).mean()),
+            "draft_loss": float(torch.stack([o.draft_loss.detach() for o in outs]).mean()),
+            "head_loss": float(torch.stack([o.head_loss.detach() for o in outs]).mean()),
             "accept_len_sim": float(accepted.mean() + 1),
             "elapsed_s": time.perf_counter() - self._t0,
         }

@@ -25,7 +25,7 @@ def folders(tmp_path_factory):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "adaflash.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=300
     )
 
 

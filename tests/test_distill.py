@@ -19,11 +19,11 @@ from tests.tiny import VOCAB, build_checkpoint
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    target = load_target(build_checkpoint(tmp_path_factory.mktemp("t"), "llama", seed=4,
-                                          layers=6))
+    target = load_target(build_checkpoint(tmp_path_factory.mktemp("t"), "llama", seed=4, layers=6))
     torch.manual_seed(0)
-    drafter = DFlashDrafter(DrafterConfig.for_target(target.cfg, num_layers=2,
-                                                     mask_token_id=VOCAB - 1, block_size=4))
+    drafter = DFlashDrafter(
+        DrafterConfig.for_target(target.cfg, num_layers=2, mask_token_id=VOCAB - 1, block_size=4)
+    )
     tokens = torch.randint(3, 90, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     teacher = run_teacher(target, tokens, 8, drafter.cfg.target_layer_ids)
     return target, drafter, teacher
@@ -50,8 +50,7 @@ def test_blocks_never_see_context_at_or_after_their_anchor(parts):
     target, drafter, teacher = parts
     anchors = torch.tensor([10, 14])
     base = block_states(drafter, target, teacher, anchors)
-    changed = Teacher(teacher.tokens, teacher.prompt_len, teacher.features.clone(),
-                      teacher.logits)
+    changed = Teacher(teacher.tokens, teacher.prompt_len, teacher.features.clone(), teacher.logits)
     changed.features[12:] += 5.0  # positions ≥ 12: after anchor 10, before anchor 14 sees 12,13
     after = block_states(drafter, target, changed, anchors)
     assert torch.allclose(base[0], after[0])  # block at 10 sees only 0 … 9

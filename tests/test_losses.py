@@ -51,8 +51,9 @@ def test_clipped_entries_carry_no_gradient_and_teacher_none():
 def test_osd_is_forward_kl():
     q, p = softmax(Q), softmax(P)
     expected = sum(p[y] * math.log(p[y] / q[y]) for y in range(3))
-    assert math.isclose(float(osd_loss(torch.tensor([Q]), torch.tensor([P]))), expected,
-                        rel_tol=1e-5)
+    assert math.isclose(
+        float(osd_loss(torch.tensor([Q]), torch.tensor([P]))), expected, rel_tol=1e-5
+    )
 
 
 def test_slot_weights_and_weighted_mean():

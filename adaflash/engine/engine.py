@@ -347,6 +347,7 @@ class Engine:
         self.sink.offer(
             RoundRecord(
                 request_id=r.id,
+                round_index=r.rounds - 1,
                 drafter_version=self.version,
                 policy=self.policy,
                 block_size=self.block_size,

@@ -14,6 +14,7 @@ class RoundRecord:
     """One speculative round of one request."""
 
     request_id: str
+    round_index: int  # 0, 1, … per request
     drafter_version: str
     policy: str
     block_size: int

@@ -19,27 +19,29 @@ from tests.tiny import VOCAB, add_tokenizer, build_checkpoint
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    folder = add_tokenizer(build_checkpoint(tmp_path_factory.mktemp("t"), "llama", seed=6,
-                                            layers=6))
+    folder = add_tokenizer(
+        build_checkpoint(tmp_path_factory.mktemp("t"), "llama", seed=6, layers=6)
+    )
     target = load_target(folder)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 90, (6,), generator=g).tolist() for _ in range(8)]
     recs = Engine(target, None, EngineConfig(policy="ar")).generate(
-        prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
-    trajs = [Trajectory(f"t{i}", "chat", p, list(r.output_ids), "", r.finish_reason)
-             for i, (p, r) in enumerate(zip(prompts, recs, strict=True))]
+        prompts, SamplingParams(max_new_tokens=40, ignore_eos=True)
+    )
+    trajs = [
+        Trajectory(f"t{i}", "chat", p, list(r.output_ids), "", r.finish_reason)
+        for i, (p, r) in enumerate(zip(prompts, recs, strict=True))
+    ]
     return folder, target, trajs
 
 
 def test_fit_lowers_loss_and_raises_simulated_acceptance(setup, tmp_path):
-    folder, target, trajs = setup
+    _, target, trajs = setup
     drafter = new_drafter(target, mask_token_id=VOCAB - 1, num_layers=2, block_size=8)
     seqs = [(t.prompt_ids + t.response_ids, len(t.prompt_ids)) for t in trajs]
     before = simulate_acceptance(drafter, target, seqs, anchors_per_seq=None)
-    cfg = DistillConfig(epochs=15, anchors_per_seq=16, accumulate=1, drafter_lr=3e-3,
-                        head_lr=3e-3)
-    result = fit(drafter, target, trajs, trajs[:2], cfg, log_dir=tmp_path / "logs",
-                 progress=False)
+    cfg = DistillConfig(epochs=15, anchors_per_seq=16, accumulate=1, drafter_lr=3e-3, head_lr=3e-3)
+    result = fit(drafter, target, trajs, trajs[:2], cfg, log_dir=tmp_path / "logs", progress=False)
     after = simulate_acceptance(result.drafter, target, seqs, anchors_per_seq=None)
     h = result.history
     assert result.steps == 15 * len(trajs) and result.samples == 15 * len(trajs)
@@ -56,8 +58,9 @@ def test_fit_lowers_loss_and_raises_simulated_acceptance(setup, tmp_path):
 def test_osd_baseline_trains_too(setup):
     _, target, trajs = setup
     drafter = new_drafter(target, mask_token_id=VOCAB - 1, num_layers=1, block_size=4)
-    result = fit(drafter, target, trajs[:2], None, DistillConfig(loss="osd", epochs=1),
-                 progress=False)
+    result = fit(
+        drafter, target, trajs[:2], None, DistillConfig(loss="osd", epochs=1), progress=False
+    )
     assert result.steps == 1 and all(r["draft_loss"] > 0 for r in result.history)
 
 
@@ -67,10 +70,33 @@ def test_train_cli_writes_a_dflash_folder(setup, tmp_path):
     data.write_text("".join(t.to_json() + "\n" for t in trajs))
     out = tmp_path / "cli-drafter"
     proc = subprocess.run(
-        [sys.executable, "-m", "adaflash.cli", "train", str(data), "--out", str(out),
-         "--target", str(folder), "--target-dtype", "float32", "--layers", "1",
-         "--block-size", "4", "--epochs", "1", "--anchors", "4", "--mask-token-id",
-         str(VOCAB - 1)], capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "train",
+            str(data),
+            "--out",
+            str(out),
+            "--target",
+            str(folder),
+            "--target-dtype",
+            "float32",
+            "--layers",
+            "1",
+            "--block-size",
+            "4",
+            "--epochs",
+            "1",
+            "--anchors",
+            "4",
+            "--mask-token-id",
+            str(VOCAB - 1),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = load_drafter(out)
     assert d.cfg.block_size == 4 and d.cfg.num_layers == 1

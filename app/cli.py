@@ -1,0 +1,233 @@
+"""The ``adaflash`` command line: core sub-commands (``adaflash.cli``) plus training, the trainer
+service and the server — one sub-command per plain function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from adaflash import cli as core
+from adaflash.config import DistillConfig
+from adaflash.models.target import load_target
+from adaflash.tokenizer import Tokenizer
+
+
+def distill_config(args: argparse.Namespace) -> DistillConfig:
+    return DistillConfig(
+        loss=args.loss,
+        epochs=args.epochs,
+        anchors_per_seq=args.anchors,
+        max_steps=args.max_steps,
+        max_minutes=args.max_minutes,
+        drafter_lr=args.lr,
+        head_lr=args.head_lr,
+        bf16_autocast=args.bf16_autocast,
+        seed=args.seed,
+    )
+
+
+def add_distill_args(p: argparse.ArgumentParser, epochs: int = 2) -> None:
+    p.add_argument(
+        "--loss",
+        choices=["opd", "osd"],
+        default="opd",
+        help="opd = hard CE + clipped reverse KL (AdaFlash); osd = forward KL",
+    )
+    p.add_argument("--epochs", type=int, default=epochs, help="passes over the data")
+    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
+    p.add_argument("--lr", type=float, default=3e-4, help="drafter learning rate")
+    p.add_argument("--head-lr", type=float, default=2e-4, help="length-head learning rate")
+    p.add_argument("--bf16-autocast", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a drafter + length head on trajectory files; write a DFlash-format folder."""
+    from adaflash.models.drafter import load_drafter
+    from adaflash.pull import resolve_target
+    from adaflash.workloads import read_trajectories
+    from lightning_modules.train import fit, new_drafter, save_run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_dir = resolve_target(args.target)
+    target = load_target(target_dir, args.target_dtype)
+    train = read_trajectories([Path(p) for p in args.trajectories])
+    val = read_trajectories([Path(p) for p in args.val]) if args.val else None
+    if args.init:
+        drafter = load_drafter(args.init, "float32")
+        drafter.cfg.check_target(target.cfg)
+    else:
+        mask = (
+            args.mask_token_id
+            if args.mask_token_id is not None
+            else Tokenizer.from_folder(target_dir).mask_token_id(target.cfg.vocab_size)
+        )
+        drafter = new_drafter(
+            target,
+            mask_token_id=mask,
+            num_layers=args.layers,
+            num_features=args.num_features,
+            intermediate_size=args.intermediate_size,
+            block_size=args.block_size,
+            init_from_target=not args.random_init,
+            seed=args.seed,
+        )
+    cfg = distill_config(args)
+    result = fit(drafter, target, train, val, cfg, log_dir=Path(args.out) / "logs")
+    data = {
+        "trajectories": [str(p) for p in args.trajectories],
+        "sequences": len(train),
+        "domains": sorted({t.domain for t in train}),
+        "target": str(target_dir),
+        "init": args.init or ("random" if args.random_init else "target layers"),
+    }
+    save_run(
+        result,
+        Path(args.out),
+        title=args.title,
+        data=data,
+        cfg=cfg,
+        metadata={"parent": args.init or "scratch"},
+    )
+    print(json.dumps(result.summary(), indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a drafter + length head on trajectories (Lightning)")
+    p.add_argument("trajectories", nargs="+", help="trajectory JSONL files (adaflash regenerate)")
+    p.add_argument("--out", required=True, help="output DFlash-format folder")
+    p.add_argument("--target", default=None, help="model folder or name (default: smollm2)")
+    p.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--init", default=None, help="start from this drafter folder")
+    p.add_argument("--val", nargs="*", default=None, help="held-out trajectory files")
+    add_distill_args(p)
+    p.add_argument("--layers", type=int, default=3, help="drafter layers (from scratch)")
+    p.add_argument(
+        "--num-features",
+        type=int,
+        default=None,
+        help="K target layers (default: as many as drafter layers)",
+    )
+    p.add_argument("--intermediate-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument(
+        "--random-init",
+        action="store_true",
+        help="random drafter layers instead of copies of the target's last layers",
+    )
+    p.add_argument("--title", default="AdaFlash drafter")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_trainer(args: argparse.Namespace) -> int:
+    """The online trainer service: buffer → training rounds → versions (see app/trainer.py)."""
+    from adaflash.pull import resolve_target
+    from app.trainer import TrainerConfig, TrainerService
+    from db.registry import Registry
+    from db.session import data_dir, make_engine, migrate
+    from lightning_modules.online import OnlineConfig
+
+    db = make_engine(args.database_url)
+    migrate(db)
+    registry = Registry(db, args.weights_dir or data_dir() / "weights")
+    online = OnlineConfig(
+        min_new=args.min_new,
+        max_samples=args.max_samples,
+        gate_margin=args.gate_margin,
+        distill=distill_config(args),
+    )
+    service = TrainerService(
+        db,
+        registry,
+        resolve_target(args.target),
+        online,
+        TrainerConfig(
+            poll_s=args.poll_s,
+            interval_minutes=args.interval,
+            threads=args.threads or 1,
+            nice=args.nice,
+        ),
+    )
+    if args.once:
+        from db.runs import claim_run
+        from lightning_modules.online import training_round
+
+        service.prepare()
+        run_id = claim_run(db, "manual")
+        if run_id is None:
+            print("another training run is in progress")
+            return 1
+        outcome = training_round(db, registry, service.target, online, run_id)
+        print(
+            json.dumps(
+                {
+                    "run": outcome.run_id,
+                    "status": outcome.status,
+                    "version": outcome.version_id,
+                    "promoted": outcome.promoted,
+                    "reason": outcome.reason,
+                }
+            )
+        )
+        return 0 if outcome.status != "failed" else 1
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    service.start()
+    logging.getLogger("adaflash.trainer").info("trainer running; Ctrl-C stops it")
+    stop.wait()
+    service.stop()
+    return 0
+
+
+def _add_trainer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "trainer",
+        help="run the online trainer (APScheduler): trains when enough "
+        "new trajectories exist, on an interval, or on request",
+    )
+    p.add_argument(
+        "--database-url",
+        default=None,
+        help="SQLAlchemy URL (default: SQLite file under $ADAFLASH_DATA or ./data)",
+    )
+    p.add_argument("--weights-dir", default=None, help="version folders (default: data/weights)")
+    p.add_argument("--target", default=None, help="model folder or name (default: smollm2)")
+    p.add_argument("--min-new", type=int, default=128, help="train at this many new trajectories")
+    p.add_argument("--max-samples", type=int, default=512)
+    p.add_argument("--gate-margin", type=float, default=0.05)
+    p.add_argument("--interval", type=float, default=None, help="also train every N minutes")
+    p.add_argument("--poll-s", type=float, default=10.0)
+    p.add_argument("--nice", type=int, default=10)
+    p.add_argument("--once", action="store_true", help="run one round now and exit")
+    add_distill_args(p)
+    p.set_defaults(func=cmd_trainer)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="adaflash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    core.add_commands(sub)
+    _add_train(sub)
+    _add_trainer(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return core.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""One online training round: buffer → fresh Lightning run → candidate version → promotion gate.
+
+1. take the oldest unconsumed trajectories (at most ``max_samples``); hold out the most recent
+   ``holdout_fraction`` for the gate (they stay unconsumed and feed a later round);
+2. train the active version's drafter + head on the rest (``lightning_modules.train.fit``);
+3. publish the result as an immutable candidate version (atomic);
+4. gate: replay candidate and active drafters against the held-out trajectories' recorded target
+   tokens (simulated acceptance, no generation); promote when the candidate's τ is not worse than
+   the active one's by more than ``gate_margin``, else reject with the reason;
+5. mark exactly the trained trajectories consumed by this run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+
+from adaflash.config import DistillConfig
+from adaflash.distill import simulate_acceptance
+from adaflash.models.target import TargetModel
+from adaflash.workloads import Trajectory
+from db.buffer import mark_consumed, unconsumed
+from db.models import TrajectoryRow
+from db.registry import Registry
+from db.runs import finish_run
+from lightning_modules.train import fit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    min_new: int = 128  # train when at least this many new trajectories exist (paper: 128)
+    max_samples: int = 512
+    min_samples: int = 8  # below this even an admin-triggered run refuses
+    holdout_fraction: float = 0.125
+    gate_margin: float = 0.05  # τ points the candidate may lose against the active version
+    gate_anchors: int = 32
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self) -> None:
+        if self.min_new < 1 or self.min_samples < 2:
+            raise ValueError("min_new must be ≥ 1 and min_samples ≥ 2")
+        if not 0.0 < self.holdout_fraction < 1.0:
+            raise ValueError("holdout_fraction must be in (0, 1)")
+
+
+@dataclass
+class RoundOutcome:
+    run_id: int
+    status: str  # succeeded / failed / skipped
+    version_id: str | None = None
+    promoted: bool = False
+    reason: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def as_trajectory(row: TrajectoryRow) -> Trajectory:
+    return Trajectory(
+        row.request_id,
+        row.domain or "",
+        list(row.prompt_ids),
+        list(row.response_ids),
+        row.response_text or "",
+        row.finish_reason,
+    )
+
+
+def training_round(
+    db: Engine, registry: Registry, target: TargetModel, cfg: OnlineConfig, run_id: int
+) -> RoundOutcome:
+    """Run one round for the already-claimed ``run_id``; records the result on the run row."""
+    t0 = time.perf_counter()
+    try:
+        outcome = _round(db, registry, target, cfg, run_id)
+    except Exception as exc:
+        log.exception("training run %d failed", run_id)
+        finish_run(
+            db,
+            run_id,
+            status="failed",
+            error=f"{type(exc).__name__}: {exc}\n" + traceback.format_exc(limit=3),
+            seconds=time.perf_counter() - t0,
+        )
+        return RoundOutcome(run_id, "failed", reason=str(exc))
+    finish_run(
+        db,
+        run_id,
+        status=outcome.status,
+        version_id=outcome.version_id,
+        samples=outcome.metrics.get("samples", 0),
+        steps=outcome.metrics.get("steps", 0),
+        seconds=time.perf_counter() - t0,
+        history=outcome.metrics.get("history", []),
+        loss=cfg.distill.loss,
+        error=outcome.reason if outcome.status != "succeeded" else None,
+    )
+    return outcome
+
+
+def _round(
+    db: Engine, registry: Registry, target: TargetModel, cfg: OnlineConfig, run_id: int
+) -> RoundOutcome:
+    rows = unconsumed(db, cfg.max_samples)
+    if len(rows) < cfg.min_samples:
+        return RoundOutcome(
+            run_id, "skipped", reason=f"only {len(rows)} new trajectories (need {cfg.min_samples})"
+        )
+    n_hold = max(2, round(len(rows) * cfg.holdout_fraction))
+    train_rows, hold_rows = rows[:-n_hold], rows[-n_hold:]
+    parent = registry.active()
+    if parent is None:
+        raise RuntimeError("no active drafter version to train from")
+    drafter = registry.load(parent.id, "float32")
+    result = fit(
+        drafter, target, [as_trajectory(r) for r in train_rows], None, cfg.distill, progress=False
+    )
+    summary = result.summary()
+    candidate = registry.publish(
+        result.drafter,
+        parent=parent.id,
+        loss=cfg.distill.loss,
+        samples=len(train_rows),
+        data=(train_rows[0].seq, train_rows[-1].seq),
+        metrics={"train": summary, "settings": asdict(cfg.distill)},
+    )
+
+    # gate: simulated acceptance of candidate vs active on held-out recent trajectories
+    seqs = [(list(r.prompt_ids) + list(r.response_ids), len(r.prompt_ids)) for r in hold_rows]
+    cand_c = simulate_acceptance(registry.load(candidate.id), target, seqs, cfg.gate_anchors)
+    base_c = simulate_acceptance(registry.load(parent.id), target, seqs, cfg.gate_anchors)
+    gate = {
+        "holdout": len(hold_rows),
+        "candidate_accept_len": round(cand_c.accept_len, 4),
+        "active_accept_len": round(base_c.accept_len, 4),
+        "margin": cfg.gate_margin,
+    }
+    registry.update_metrics(candidate.id, gate=gate)
+    promoted = cand_c.accept_len >= base_c.accept_len - cfg.gate_margin
+    if promoted:
+        registry.activate(candidate.id)
+        reason = ""
+    else:
+        reason = (
+            f"simulated τ {cand_c.accept_len:.3f} is below the active version's "
+            f"{base_c.accept_len:.3f} by more than {cfg.gate_margin}"
+        )
+        registry.reject(candidate.id, reason)
+    consumed = mark_consumed(db, [r.seq for r in train_rows], run_id)
+    metrics = {
+        "samples": consumed,
+        "steps": result.steps,
+        "gate": gate,
+        "history": [{k: round(v, 4) for k, v in h.items()} for h in result.history],
+    }
+    return RoundOutcome(
+        run_id, "succeeded", candidate.id, promoted, reason if not promoted else "", metrics
+    )

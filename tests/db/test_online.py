@@ -1,0 +1,164 @@
+"""Online loop against real databases: training rounds, the promotion gate, hot swap, faults."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from adaflash.config import DistillConfig, EngineConfig, SamplingParams
+from adaflash.engine.engine import Engine
+from adaflash.engine.records import MemorySink, RequestRecord
+from adaflash.models.drafter import save_drafter
+from adaflash.models.target import load_target
+from app.hotswap import VersionWatcher
+from db.buffer import count_unconsumed, write_records
+from db.models import TrajectoryRow
+from db.registry import Registry
+from db.runs import claim_run, list_runs
+from lightning_modules.online import OnlineConfig, training_round
+from lightning_modules.train import new_drafter
+from tests.tiny import VOCAB, add_tokenizer, build_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = add_tokenizer(build_checkpoint(tmp_path_factory.mktemp("t"), "llama", seed=8,
+                                            layers=6))
+    target = load_target(folder)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (5,), generator=g).tolist() for _ in range(12)]
+    sink = MemorySink()
+    Engine(target, None, EngineConfig(policy="ar"), sink=sink).generate(
+        prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    return folder, target, sink.requests()
+
+
+@pytest.fixture
+def online(db, tmp_path, tiny):
+    folder, target, records = tiny
+    registry = Registry(db, tmp_path / "weights")
+    shipped = new_drafter(target, mask_token_id=VOCAB - 1, num_layers=1, block_size=4)
+    registry.register_folder(save_drafter(shipped, tmp_path / "shipped"))
+    write_records(db, records)
+    return registry, target
+
+
+FAST = OnlineConfig(min_new=8, min_samples=4, holdout_fraction=0.25, gate_anchors=8,
+                    distill=DistillConfig(epochs=2, anchors_per_seq=8, accumulate=1,
+                                          drafter_lr=3e-3, head_lr=3e-3))
+
+
+def test_training_round_publishes_gates_and_consumes_exactly_the_trained_rows(db, online):
+    registry, target = online
+    run = claim_run(db, "threshold")
+    out = training_round(db, registry, target, FAST, run)
+    assert out.status == "succeeded" and out.version_id == "v0001"
+    v = registry.get("v0001")
+    assert v.parent == "v0000" and v.loss == "opd" and v.samples == 9
+    gate = v.metrics["gate"]
+    assert gate["holdout"] == 3
+    assert v.status == ("active" if out.promoted else "rejected")
+    assert out.promoted == (gate["candidate_accept_len"] >= gate["active_accept_len"] - 0.05)
+    with Session(db) as s:
+        rows = list(s.scalars(select(TrajectoryRow).order_by(TrajectoryRow.seq)))
+    assert [r.consumed_by for r in rows] == [run] * 9 + [None] * 3  # held-out stay unconsumed
+    assert (v.data_from, v.data_to) == (rows[0].seq, rows[8].seq)
+    assert list_runs(db)[0].status == "succeeded" and list_runs(db)[0].steps > 0
+
+
+def test_gate_rejects_a_worse_candidate(db, online):
+    registry, target = online
+    strict = OnlineConfig(min_new=8, min_samples=4, holdout_fraction=0.25, gate_anchors=8,
+                          gate_margin=-100.0,  # demands an impossible improvement
+                          distill=DistillConfig(epochs=1, anchors_per_seq=4))
+    out = training_round(db, registry, target, strict, claim_run(db, "admin"))
+    assert not out.promoted and "below the active" in out.reason
+    assert registry.get("v0001").status == "rejected" and registry.active().id == "v0000"
+
+
+def test_failed_round_publishes_nothing(db, online):
+    registry, target = online
+    bad = OnlineConfig(min_new=8, min_samples=4, distill=DistillConfig(anchors_per_seq=4))
+    registry.get("v0000").path.joinpath("model.safetensors").write_bytes(b"corrupt")
+    out = training_round(db, registry, target, bad, claim_run(db, "admin"))
+    assert out.status == "failed" and "sha256" in out.reason
+    assert [v.id for v in registry.list()] == ["v0000"]
+    assert count_unconsumed(db) == 12 and list_runs(db)[0].status == "failed"
+
+
+def test_hot_swap_follows_active_version_and_refuses_a_corrupt_one(db, online):
+    registry, target = online
+    engine = Engine(target, registry.load("v0000"), EngineConfig(policy="head"),
+                    drafter_version="v0000")
+    watcher = VersionWatcher(engine, registry, "float32")
+    good = registry.publish(new_drafter(target, mask_token_id=VOCAB - 1, num_layers=1,
+                                        block_size=4, seed=1),
+                            parent="v0000", loss="opd", samples=1, data=(1, 1), metrics={})
+    registry.activate(good.id)
+    assert watcher.check() == good.id
+    rec = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    assert engine.version == good.id and len(rec.output_ids) == 8
+    bad = registry.publish(new_drafter(target, mask_token_id=VOCAB - 1, num_layers=1,
+                                       block_size=4, seed=2),
+                           parent=good.id, loss="opd", samples=1, data=(1, 1), metrics={})
+    registry.activate(bad.id)
+    (bad.path / "model.safetensors").write_bytes(b"garbage")  # corrupted after promotion
+    assert watcher.check() is None and "refused" in (watcher.last_error or "")
+    rec = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    assert engine.version == good.id and len(rec.output_ids) == 8  # serving goes on
+
+
+def test_killed_trainer_leaves_no_partial_version_and_serving_goes_on(db, db_url, online, tiny,
+                                                                      tmp_path):
+    folder, target, _ = tiny
+    registry, _ = online
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "app.cli", "trainer", "--once", "--database-url", db_url,
+           "--weights-dir", str(registry.weights_dir), "--target", str(folder),
+           "--epochs", "50", "--anchors", "8"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    engine = Engine(target, registry.load("v0000"), EngineConfig(policy="head"),
+                    drafter_version="v0000")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (list_runs(db) and list_runs(db)[0].status == "running"):
+        time.sleep(0.2)
+    time.sleep(2.0)  # well inside the 50-epoch fit
+    assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+    # serving is unaffected while the trainer works and when it dies
+    out = engine.generate([[9, 8, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert len(out[0].output_ids) == 6
+    assert [v.id for v in registry.list()] == ["v0000"]
+    assert not [p for p in registry.weights_dir.iterdir() if p.name.startswith("v0001")]
+    assert count_unconsumed(db) == 12  # nothing marked consumed
+    # the next trainer start cleans up and records the dead run as failed
+    from app.trainer import TrainerService
+
+    service = TrainerService(db, registry, folder, FAST)
+    service.cfg = type(service.cfg)(nice=0)
+    service.prepare()
+    assert list_runs(db)[0].status == "failed"
+    assert not list(registry.weights_dir.glob(".tmp-*"))
+
+
+def test_trainer_service_runs_on_threshold_and_on_admin_request(db, online, tiny):
+    from app.trainer import TrainerConfig, TrainerService
+    from db.runs import request_run
+
+    folder, _, records = tiny
+    registry, _ = online
+    service = TrainerService(db, registry, folder, FAST, TrainerConfig(nice=0, threads=1))
+    assert service.tick().status == "succeeded"  # 12 ≥ min_new 8
+    assert service.tick() is None  # 3 held out < min_new
+    request_run(db, "admin")
+    out = service.tick()
+    assert out is not None and out.status == "skipped"  # 3 < min_samples 4: nothing to learn
+    assert list_runs(db)[0].trigger == "admin"
