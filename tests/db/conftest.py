@@ -36,8 +36,10 @@ def db_url(request, tmp_path):
         with admin.begin() as conn:
             conn.execute(text(f'CREATE SCHEMA "{schema}"'))
     except Exception as exc:
-        pytest.fail(f"PostgreSQL at {PG_URL} is not reachable ({exc}); start it or set "
-                    "ADAFLASH_TEST_PG=0 to skip the Postgres leg")
+        pytest.fail(
+            f"PostgreSQL at {PG_URL} is not reachable ({exc}); start it or set "
+            "ADAFLASH_TEST_PG=0 to skip the Postgres leg"
+        )
     yield pg_schema_url(schema)
     with admin.begin() as conn:
         conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))

@@ -10,19 +10,23 @@ from db.session import make_engine, migrate
 
 def req(i: int, reason: str = "stop", domain: str = "chat") -> RequestRecord:
     now = time.time()
-    return RequestRecord(f"r{i}", (1, 2, 3), (4, 5, i), f"text {i}", reason, "v0000", domain,
-                         0.0, 2, 1, now - 1, now)
+    return RequestRecord(
+        f"r{i}", (1, 2, 3), (4, 5, i), f"text {i}", reason, "v0000", domain, 0.0, 2, 1, now - 1, now
+    )
 
 
 def rnd(i: int, k: int) -> RoundRecord:
-    return RoundRecord(f"r{i}", k, "v0000", "head", 16, 5, 2, 3, 0.3, 4, 10.0, 40.0,
-                       time.time(), "chat")
+    return RoundRecord(
+        f"r{i}", k, "v0000", "head", 16, 5, 2, 3, 0.3, 4, 10.0, 40.0, time.time(), "chat"
+    )
 
 
 def counts(engine) -> tuple[int, int]:
     with engine.connect() as c:
-        return (c.execute(select(func.count()).select_from(TrajectoryRow)).scalar_one(),
-                c.execute(select(func.count()).select_from(RoundRow)).scalar_one())
+        return (
+            c.execute(select(func.count()).select_from(TrajectoryRow)).scalar_one(),
+            c.execute(select(func.count()).select_from(RoundRow)).scalar_one(),
+        )
 
 
 def test_migration_creates_tables_and_is_idempotent(db):

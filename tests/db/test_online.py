@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from adaflash.config import DistillConfig, EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
-from adaflash.engine.records import MemorySink, RequestRecord
+from adaflash.engine.records import MemorySink
 from adaflash.models.drafter import save_drafter
 from adaflash.models.target import load_target
 from app.hotswap import VersionWatcher
@@ -28,20 +28,22 @@ from tests.tiny import VOCAB, add_tokenizer, build_checkpoint
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = add_tokenizer(build_checkpoint(tmp_path_factory.mktemp("t"), "llama", seed=8,
-                                            layers=6))
+    folder = add_tokenizer(
+        build_checkpoint(tmp_path_factory.mktemp("t"), "llama", seed=8, layers=6)
+    )
     target = load_target(folder)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 90, (5,), generator=g).tolist() for _ in range(12)]
     sink = MemorySink()
     Engine(target, None, EngineConfig(policy="ar"), sink=sink).generate(
-        prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+        prompts, SamplingParams(max_new_tokens=24, ignore_eos=True)
+    )
     return folder, target, sink.requests()
 
 
 @pytest.fixture
 def online(db, tmp_path, tiny):
-    folder, target, records = tiny
+    _, target, records = tiny
     registry = Registry(db, tmp_path / "weights")
     shipped = new_drafter(target, mask_token_id=VOCAB - 1, num_layers=1, block_size=4)
     registry.register_folder(save_drafter(shipped, tmp_path / "shipped"))
@@ -49,9 +51,13 @@ def online(db, tmp_path, tiny):
     return registry, target
 
 
-FAST = OnlineConfig(min_new=8, min_samples=4, holdout_fraction=0.25, gate_anchors=8,
-                    distill=DistillConfig(epochs=2, anchors_per_seq=8, accumulate=1,
-                                          drafter_lr=3e-3, head_lr=3e-3))
+FAST = OnlineConfig(
+    min_new=8,
+    min_samples=4,
+    holdout_fraction=0.25,
+    gate_anchors=8,
+    distill=DistillConfig(epochs=2, anchors_per_seq=8, accumulate=1, drafter_lr=3e-3, head_lr=3e-3),
+)
 
 
 def test_training_round_publishes_gates_and_consumes_exactly_the_trained_rows(db, online):
@@ -74,9 +80,14 @@ def test_training_round_publishes_gates_and_consumes_exactly_the_trained_rows(db
 
 def test_gate_rejects_a_worse_candidate(db, online):
     registry, target = online
-    strict = OnlineConfig(min_new=8, min_samples=4, holdout_fraction=0.25, gate_anchors=8,
-                          gate_margin=-100.0,  # demands an impossible improvement
-                          distill=DistillConfig(epochs=1, anchors_per_seq=4))
+    strict = OnlineConfig(
+        min_new=8,
+        min_samples=4,
+        holdout_fraction=0.25,
+        gate_anchors=8,
+        gate_margin=-100.0,  # demands an impossible improvement
+        distill=DistillConfig(epochs=1, anchors_per_seq=4),
+    )
     out = training_round(db, registry, target, strict, claim_run(db, "admin"))
     assert not out.promoted and "below the active" in out.reason
     assert registry.get("v0001").status == "rejected" and registry.active().id == "v0000"
@@ -94,19 +105,30 @@ def test_failed_round_publishes_nothing(db, online):
 
 def test_hot_swap_follows_active_version_and_refuses_a_corrupt_one(db, online):
     registry, target = online
-    engine = Engine(target, registry.load("v0000"), EngineConfig(policy="head"),
-                    drafter_version="v0000")
+    engine = Engine(
+        target, registry.load("v0000"), EngineConfig(policy="head"), drafter_version="v0000"
+    )
     watcher = VersionWatcher(engine, registry, "float32")
-    good = registry.publish(new_drafter(target, mask_token_id=VOCAB - 1, num_layers=1,
-                                        block_size=4, seed=1),
-                            parent="v0000", loss="opd", samples=1, data=(1, 1), metrics={})
+    good = registry.publish(
+        new_drafter(target, mask_token_id=VOCAB - 1, num_layers=1, block_size=4, seed=1),
+        parent="v0000",
+        loss="opd",
+        samples=1,
+        data=(1, 1),
+        metrics={},
+    )
     registry.activate(good.id)
     assert watcher.check() == good.id
     rec = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
     assert engine.version == good.id and len(rec.output_ids) == 8
-    bad = registry.publish(new_drafter(target, mask_token_id=VOCAB - 1, num_layers=1,
-                                       block_size=4, seed=2),
-                           parent=good.id, loss="opd", samples=1, data=(1, 1), metrics={})
+    bad = registry.publish(
+        new_drafter(target, mask_token_id=VOCAB - 1, num_layers=1, block_size=4, seed=2),
+        parent=good.id,
+        loss="opd",
+        samples=1,
+        data=(1, 1),
+        metrics={},
+    )
     registry.activate(bad.id)
     (bad.path / "model.safetensors").write_bytes(b"garbage")  # corrupted after promotion
     assert watcher.check() is None and "refused" in (watcher.last_error or "")
@@ -114,18 +136,35 @@ def test_hot_swap_follows_active_version_and_refuses_a_corrupt_one(db, online):
     assert engine.version == good.id and len(rec.output_ids) == 8  # serving goes on
 
 
-def test_killed_trainer_leaves_no_partial_version_and_serving_goes_on(db, db_url, online, tiny,
-                                                                      tmp_path):
+def test_killed_trainer_leaves_no_partial_version_and_serving_goes_on(
+    db, db_url, online, tiny, tmp_path
+):
     folder, target, _ = tiny
     registry, _ = online
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "app.cli", "trainer", "--once", "--database-url", db_url,
-           "--weights-dir", str(registry.weights_dir), "--target", str(folder),
-           "--epochs", "50", "--anchors", "8"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    engine = Engine(target, registry.load("v0000"), EngineConfig(policy="head"),
-                    drafter_version="v0000")
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "trainer",
+        "--once",
+        "--database-url",
+        db_url,
+        "--weights-dir",
+        str(registry.weights_dir),
+        "--target",
+        str(folder),
+        "--epochs",
+        "50",
+        "--anchors",
+        "8",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    engine = Engine(
+        target, registry.load("v0000"), EngineConfig(policy="head"), drafter_version="v0000"
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not (list_runs(db) and list_runs(db)[0].status == "running"):
         time.sleep(0.2)
@@ -153,7 +192,7 @@ def test_trainer_service_runs_on_threshold_and_on_admin_request(db, online, tiny
     from app.trainer import TrainerConfig, TrainerService
     from db.runs import request_run
 
-    folder, _, records = tiny
+    folder, _, _ = tiny
     registry, _ = online
     service = TrainerService(db, registry, folder, FAST, TrainerConfig(nice=0, threads=1))
     assert service.tick().status == "succeeded"  # 12 ≥ min_new 8

@@ -11,8 +11,9 @@ TARGET = TargetConfig("llama", 96, 32, 64, 6, 4, 2, 8)
 
 def drafter(seed: int = 0) -> DFlashDrafter:
     torch.manual_seed(seed)
-    return DFlashDrafter(DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=95,
-                                                  block_size=4))
+    return DFlashDrafter(
+        DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=95, block_size=4)
+    )
 
 
 @pytest.fixture
@@ -29,13 +30,15 @@ def test_initial_version_is_active(registry):
 
 
 def test_publish_promote_reject_rollback(registry):
-    a = registry.publish(drafter(1), parent="v0000", loss="opd", samples=10, data=(1, 10),
-                         metrics={"x": 1})
+    a = registry.publish(
+        drafter(1), parent="v0000", loss="opd", samples=10, data=(1, 10), metrics={"x": 1}
+    )
     assert a.id == "v0001" and a.status == "candidate" and (a.path / "config.json").is_file()
     registry.activate(a.id)
     assert registry.active().id == "v0001" and registry.get("v0000").status == "retired"
-    b = registry.publish(drafter(2), parent="v0001", loss="opd", samples=5, data=(11, 15),
-                         metrics={})
+    b = registry.publish(
+        drafter(2), parent="v0001", loss="opd", samples=5, data=(11, 15), metrics={}
+    )
     registry.reject(b.id, "worse")
     assert registry.get(b.id).status == "rejected" and registry.get(b.id).reason == "worse"
     with pytest.raises(VersionError, match="rejected"):
@@ -48,8 +51,7 @@ def test_publish_promote_reject_rollback(registry):
 
 
 def test_corrupted_version_is_refused_and_active_stays(registry):
-    v = registry.publish(drafter(3), parent="v0000", loss="opd", samples=1, data=(1, 1),
-                         metrics={})
+    v = registry.publish(drafter(3), parent="v0000", loss="opd", samples=1, data=(1, 1), metrics={})
     weights = v.path / "model.safetensors"
     raw = bytearray(weights.read_bytes())
     raw[-5] ^= 0xFF
@@ -69,8 +71,7 @@ def test_publish_is_atomic_when_the_writer_dies(registry, monkeypatch):
 
     monkeypatch.setattr(mod, "save_drafter", boom)
     with pytest.raises(KeyboardInterrupt):
-        registry.publish(drafter(4), parent="v0000", loss="opd", samples=1, data=(1, 1),
-                         metrics={})
+        registry.publish(drafter(4), parent="v0000", loss="opd", samples=1, data=(1, 1), metrics={})
     assert [v.id for v in registry.list()] == ["v0000"]
     assert not any(p.name.startswith("v0001") for p in registry.weights_dir.iterdir())
     assert not list(registry.weights_dir.glob(".tmp-*"))
