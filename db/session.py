@@ -23,12 +23,12 @@ def default_url() -> str:
     return f"sqlite:///{data_dir() / 'adaflash.db'}"
 
 
-def make_engine(url: str | None = None) -> Engine:
+def make_engine(url: str | None = None, sqlite_busy_timeout_s: float = 30.0) -> Engine:
     """A SQLAlchemy engine; SQLite gets WAL, a busy timeout and foreign keys."""
     url = url or default_url()
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30})
+        engine = create_engine(url, connect_args={"timeout": sqlite_busy_timeout_s})
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:

@@ -23,11 +23,7 @@ def pg_schema_url(schema: str) -> str:
     return f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'buffer.db'}"
-        return
+def _pg_url():
     if os.environ.get("ADAFLASH_TEST_PG") == "0":
         pytest.skip("ADAFLASH_TEST_PG=0: PostgreSQL leg skipped on purpose")
     schema = f"t_{uuid.uuid4().hex[:12]}"
@@ -46,9 +42,27 @@ def db_url(request, tmp_path):
     admin.dispose()
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'buffer.db'}"
+    else:
+        yield from _pg_url()
+
+
+@pytest.fixture
+def pg_url():
+    yield from _pg_url()
+
+
+def migrated(url: str):
+    engine = make_engine(url)
+    migrate(engine)
+    return engine
+
+
 @pytest.fixture
 def db(db_url):
-    engine = make_engine(db_url)
-    migrate(engine)
+    engine = migrated(db_url)
     yield engine
     engine.dispose()
