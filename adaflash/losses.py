@@ -53,4 +53,3 @@ def weighted_slot_mean(
     """Σ w_i·ℓ_i over valid slots ÷ Σ w_i over valid slots. per_slot, valid (blocks, k−1)."""
     w = slot_weights(block_size, per_slot.device)[None, :] * valid.float()  # (blocks, k−1)
     return (per_slot * w).sum() / w.sum().clamp_min(math.ulp(1.0))
-

@@ -63,6 +63,13 @@ class SpecCounters:
             for a, v in zip(self.slot_accepted, self.slot_verified, strict=True)
         ]
 
+    @classmethod
+    def from_totals(
+        cls, block_size: int, rounds: int, verified: int, accepted: int, drafted: int = 0
+    ) -> SpecCounters:
+        """Counters of one request from its totals (per-slot detail left empty)."""
+        return cls(block_size, rounds, drafted, verified, accepted)
+
     def copy(self) -> SpecCounters:
         return SpecCounters(
             self.block_size,

@@ -4,6 +4,7 @@ service and the server — one sub-command per plain function."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
@@ -218,12 +219,111 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_trainer)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """API + UI + engine in one process, the trainer beside it (see app/service.py)."""
+    import uvicorn
+
+    from app.api import create_app
+    from app.service import ServeConfig, Service
+
+    cfg = ServeConfig.from_env(
+        host=args.host,
+        port=args.port,
+        target=args.target,
+        drafter=args.drafter,
+        database_url=args.database_url,
+        weights_dir=args.weights_dir,
+        policy=args.policy,
+        gamma=args.gamma,
+        dtype=args.dtype,
+        max_temperature=args.max_temperature,
+        max_new_tokens=args.max_new_tokens,
+        max_running_requests=args.max_running_requests,
+        admin_token=args.admin_token,
+        trainer=False if args.no_trainer else None,
+        min_new=args.min_new,
+        train_interval_minutes=args.train_interval,
+        threads=args.threads,
+    )
+    service = Service(cfg)
+    app = create_app(service, ui=not args.no_ui)
+    base = f"http://{cfg.host}:{cfg.port}"
+    print(
+        f"AdaFlash serving {service.model_name} with drafter {service.engine.version} "
+        f"(policy {service.engine.policy})\n"
+        f"  chat UI + dashboard: {base}/ui/\n"
+        f"  OpenAI API:          {base}/v1  (model {service.model_name!r})\n"
+        f"  SGLang API:          {base}/generate\n"
+        f"  metrics:             {base}/metrics\n"
+        f"  API docs:            {base}/docs\n"
+        f"  admin:               {'enabled' if cfg.admin_token else 'disabled (no token)'}\n"
+        "Ctrl-C stops (streams finish or are cancelled, the buffer is flushed).",
+        flush=True,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=cfg.host,
+            port=cfg.port,
+            log_level="warning",
+            timeout_graceful_shutdown=int(cfg.drain_seconds) + 5,
+        )
+    )
+
+    def on_signal(*_: object) -> None:
+        # first Ctrl-C: graceful (streams finish or are cancelled, buffer flushed); second: now
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    # our handlers instead of uvicorn's, which re-raise Ctrl-C after shutting down
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    server.run()
+    print("AdaFlash stopped.", flush=True)
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the OpenAI/SGLang APIs, the UI and the dashboard "
+        "(embedded default: SmolLM2 + the shipped drafter)",
+    )
+    p.add_argument("--host", default=None, help="default 127.0.0.1 (ADAFLASH_HOST)")
+    p.add_argument("--port", type=int, default=None, help="default 8000 (ADAFLASH_PORT)")
+    p.add_argument("--target", default=None, help="model folder or name (default: smollm2)")
+    p.add_argument("--drafter", default=None, help="drafter folder or 'none' (default: shipped)")
+    p.add_argument(
+        "--database-url",
+        default=None,
+        help="SQLAlchemy URL (default: SQLite file under $ADAFLASH_DATA or ./data)",
+    )
+    p.add_argument("--weights-dir", default=None)
+    p.add_argument("--policy", choices=["ar", "fixed", "head"], default=None)
+    p.add_argument("--gamma", type=float, default=None)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    p.add_argument("--max-temperature", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="per-request ceiling")
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument(
+        "--admin-token", default=None, help="enables the admin API and tab (ADAFLASH_ADMIN_TOKEN)"
+    )
+    p.add_argument("--no-trainer", action="store_true", help="do not start the trainer")
+    p.add_argument("--min-new", type=int, default=None, help="trajectories per training round")
+    p.add_argument("--train-interval", type=float, default=None, help="also train every N min")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-ui", action="store_true")
+    p.set_defaults(func=cmd_serve)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="adaflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     core.add_commands(sub)
     _add_train(sub)
     _add_trainer(sub)
+    _add_serve(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     return core.run(args)

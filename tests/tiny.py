@@ -83,3 +83,17 @@ def add_tokenizer(folder: Path) -> Path:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     return folder
+
+
+def build_serving_folders(root: Path, seed: int = 21) -> tuple[Path, Path]:
+    """A tiny target (with tokenizer and chat template) and a matching random drafter."""
+    from adaflash.config import DrafterConfig
+    from adaflash.models.drafter import DFlashDrafter, save_drafter
+    from adaflash.models.target import load_target
+
+    target_dir = add_tokenizer(build_checkpoint(root / "tiny-target", "llama", seed=seed, layers=6))
+    target = load_target(target_dir)
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=2, mask_token_id=VOCAB - 1)
+    drafter_dir = save_drafter(DFlashDrafter(cfg), root / "tiny-drafter")
+    return target_dir, drafter_dir

@@ -341,6 +341,7 @@ class Engine:
         kinds = ["draft"] * acc.accepted + ["target"]
         r.rounds += 1
         r.accepted += acc.accepted
+        r.verified += plan.verify_len - 1
         emitted = self._emit(r, tokens, kinds)
         # 8. record
         self.counters.add_round(plan.verify_len, acc.accepted, plan.drafted)
@@ -460,6 +461,7 @@ class Engine:
             domain=r.domain,
             temperature=r.params.temperature,
             rounds=r.rounds,
+            verified=r.verified,
             accepted=r.accepted,
             created_at=r.created_at,
             finished_at=time.time(),
@@ -533,6 +535,7 @@ class Engine:
                 self.waiting.remove(r)
                 r.finish_reason = "abort"
                 self._notify_abort(r)
+                self._finish(r)
                 return
         for r in self.running:
             if r.id == request_id:
@@ -551,8 +554,7 @@ class Engine:
             r.finish_reason = "error"
             if r.on_event is not None:
                 r.on_event(TokenEvent(r.id, (), (), True, "error", error))
-            if r in self.running:
-                self._finish(r)
+            self._finish(r)
         self.waiting.clear()
 
     # -- synchronous convenience ---------------------------------------------------------------

@@ -52,6 +52,7 @@ class RequestRecord:
     temperature: float
     rounds: int
     accepted: int
+    verified: int
     created_at: float
     finished_at: float
     meta: dict[str, str] = field(default_factory=dict)

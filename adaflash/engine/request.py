@@ -77,6 +77,7 @@ class Request:
     finish_reason: str | None = None
     rounds: int = 0
     accepted: int = 0
+    verified: int = 0  # drafts sent to the target, Σ(k̂ − 1)
     drafter_version: str = ""
     stop_text: str | None = None  # decoded text when stop strings are in use
 

@@ -12,12 +12,13 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from adaflash.config import SamplingParams
 from adaflash.engine.detokenize import TextStreamer
 from adaflash.engine.engine import Engine
+from adaflash.engine.records import RequestRecord
 from adaflash.engine.request import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None
     error: str | None = None
+    record: RequestRecord | None = None  # on the final delta: totals of the request
 
 
 class EngineRunner:
@@ -104,19 +106,19 @@ class EngineRunner:
         *,
         domain: str | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         """Yield text deltas as rounds commit tokens. Raises ValueError for invalid requests."""
         params = params or SamplingParams()
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        events: asyncio.Queue[TokenEvent | RequestRecord] = asyncio.Queue()
 
-        def on_event(ev: TokenEvent) -> None:
+        def put(item: TokenEvent | RequestRecord) -> None:
             # RuntimeError: the caller's loop is gone; the request gets aborted below
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(events.put_nowait, ev)
+                loop.call_soon_threadsafe(events.put_nowait, item)
 
         rid = self.engine.add_request(
-            prompt_ids, params, request_id=request_id, domain=domain, on_event=on_event
+            prompt_ids, params, request_id=request_id, domain=domain, on_event=put, on_finish=put
         )
         self.notify()
         streamer = TextStreamer(self.decode, params.stop) if self.decode else None
@@ -124,12 +126,35 @@ class EngineRunner:
         try:
             while not finished:
                 ev = await events.get()
-                finished = ev.finished
-                text = streamer.push(ev.token_ids, final=finished) if streamer else ""
+                if isinstance(ev, RequestRecord):
+                    continue  # arrives after the final event, which waits for it below
+                text = streamer.push(ev.token_ids, final=ev.finished) if streamer else ""
+                record = None
+                if ev.finished:
+                    record = await self._record(events)
+                    finished = True
                 yield StreamDelta(
-                    rid, text, ev.token_ids, ev.kinds, ev.finished, ev.finish_reason, ev.error
+                    rid,
+                    text,
+                    ev.token_ids,
+                    ev.kinds,
+                    ev.finished,
+                    ev.finish_reason,
+                    ev.error,
+                    record,
                 )
         finally:
             if not finished:
                 self.engine.abort(rid)
                 self.notify()
+
+    @staticmethod
+    async def _record(events: asyncio.Queue[TokenEvent | RequestRecord]) -> RequestRecord | None:
+        """The finished request's record (the engine sends it right after the final event)."""
+        try:
+            while True:
+                item = await asyncio.wait_for(events.get(), timeout=5.0)
+                if isinstance(item, RequestRecord):
+                    return item
+        except TimeoutError:
+            return None

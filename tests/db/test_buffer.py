@@ -11,7 +11,19 @@ from db.session import make_engine, migrate
 def req(i: int, reason: str = "stop", domain: str = "chat") -> RequestRecord:
     now = time.time()
     return RequestRecord(
-        f"r{i}", (1, 2, 3), (4, 5, i), f"text {i}", reason, "v0000", domain, 0.0, 2, 1, now - 1, now
+        f"r{i}",
+        (1, 2, 3),
+        (4, 5, i),
+        f"text {i}",
+        reason,
+        "v0000",
+        domain,
+        0.0,
+        2,
+        1,
+        3,
+        now - 1,
+        now,
     )
 
 

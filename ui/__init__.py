@@ -1,0 +1,1 @@
+"""The Gradio front end: chat, live dashboard, admin."""

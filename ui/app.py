@@ -1,0 +1,342 @@
+"""The Gradio UI (mounted at /ui): Chat, live Dashboard, and Admin behind the admin token."""
+
+from __future__ import annotations
+
+import hmac
+import html
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import gradio as gr
+
+from adaflash.metrics import SpecCounters
+from app.service import Service
+from db import stats
+from db.registry import VersionError
+from db.runs import list_runs, request_run
+from ui import charts
+
+WINDOWS = {"5 min": 300, "15 min": 900, "60 min": 3600}
+CSS = """
+.tok-draft { background: #c8e6c9; border-radius: 3px; }
+.tok-target { background: #ffe0b2; border-radius: 3px; }
+#provenance { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.7; }
+"""
+
+
+def provenance_html(pieces: list[tuple[str, str]]) -> str:
+    """Tokens coloured by how they were produced: accepted draft (green) or target (orange)."""
+    spans = "".join(f'<span class="tok-{kind}">{html.escape(text)}</span>' for text, kind in pieces)
+    legend = (
+        '<div style="font-size:12px;margin-bottom:6px">'
+        '<span class="tok-draft">accepted draft token</span> '
+        '<span class="tok-target">target token (bonus / plain)</span></div>'
+    )
+    return f"{legend}<div>{spans}</div>"
+
+
+def build_ui(service: Service) -> gr.Blocks:
+    tok = service.tokenizer
+
+    async def respond(
+        message: str,
+        history: list[dict[str, Any]],
+        system: str,
+        temperature: float,
+        max_tokens: int,
+        show_tokens: bool,
+    ) -> AsyncIterator[tuple[Any, ...]]:
+        if not message.strip():
+            yield history, "", gr.update(), "Type a message first."
+            return
+        messages = [{"role": "system", "content": system}] if system.strip() else []
+        messages += [{"role": m["role"], "content": _text(m["content"])} for m in history]
+        messages.append({"role": "user", "content": message})
+        history = [
+            *history,
+            {"role": "user", "content": message},
+            {"role": "assistant", "content": ""},
+        ]
+        try:
+            prompt = tok.chat(messages)
+            params = service.sampling(
+                temperature=temperature,
+                top_p=None,
+                top_k=None,
+                max_new_tokens=int(max_tokens),
+                prompt_len=len(prompt),
+            )
+        except ValueError as exc:
+            history[-1]["content"] = f"⚠️ {exc}"
+            yield history, "", gr.update(), ""
+            return
+        t0, text, pieces, n, rounds = time.perf_counter(), "", [], 0, 0
+        async for d in service.runner.stream(prompt, params, domain="chat"):
+            text += d.text
+            n += len(d.token_ids)
+            rounds += 1 if d.token_ids else 0
+            pieces += [
+                (tok.decode([t]), kind) for t, kind in zip(d.token_ids, d.kinds, strict=True)
+            ]
+            history[-1]["content"] = text
+            rate = n / max(time.perf_counter() - t0, 1e-6)
+            line = f"**{rate:.1f} tokens/s** · τ ≈ {n / max(rounds, 1):.2f} tokens per round"
+            if d.finished and d.record is not None:
+                c = SpecCounters.from_totals(
+                    service.engine.block_size, d.record.rounds, d.record.verified, d.record.accepted
+                )
+                line = (
+                    f"**{rate:.1f} tokens/s** · τ = {c.accept_len:.2f} · verify_len = "
+                    f"{c.verify_len:.2f} · {n} tokens in {d.record.rounds} rounds · "
+                    f"drafter {d.record.drafter_version} · finish: {d.finish_reason}"
+                )
+            yield (history, "", gr.update(value=provenance_html(pieces), visible=show_tokens), line)
+
+    def dashboard(window: str) -> tuple[Any, ...]:
+        w, now = WINDOWS.get(window, 300), time.time()
+        buckets = stats.timeline(service.db, w, bucket_s=max(5, w // 40), now=now)
+        versions = stats.version_starts(service.db, w, now=now)
+        slot_c = stats.slot_acceptance(service.db, w, service.engine.block_size, now=now)
+        per_domain = stats.by_domain(service.db, w, now=now)
+        runs = list_runs(service.db, 20)
+        total = sum((b.counters for b in buckets), SpecCounters(service.engine.block_size))
+        tokens = sum(b.tokens for b in buckets)
+        summary = (
+            f"**serving {service.engine.version}** · policy `{service.engine.policy}` · "
+            f"γ = {service.engine.gamma:g} · last {window}: {total.rounds} rounds, "
+            f"τ = {total.accept_len:.2f}, verify_len = {total.verify_len:.2f}, "
+            f"{tokens / w:.1f} tokens/s · queue drops {service.sink.dropped} · trainer "
+            f"{'up' if service.trainer_alive() else 'not running'}"
+        )
+        table = [
+            [
+                r.id,
+                r.trigger,
+                r.status,
+                r.samples,
+                r.steps,
+                None if r.seconds is None else round(r.seconds, 1),
+                r.version_id or "",
+                (r.error or "")[:80],
+            ]
+            for r in runs
+        ]
+        return (
+            summary,
+            charts.timeline(buckets, versions, now),
+            charts.throughput(buckets, versions, now),
+            charts.slots(slot_c),
+            charts.domains(per_domain),
+            charts.training(runs),
+            table,
+        )
+
+    def authorised(token: str) -> bool:
+        want = service.cfg.admin_token
+        return want is not None and hmac.compare_digest(token.encode(), want.encode())
+
+    def versions_table() -> list[list[Any]]:
+        rows = []
+        for v in reversed(service.registry.list()):
+            gate = v.metrics.get("gate") or {}
+            rows.append(
+                [
+                    v.id,
+                    v.status,
+                    v.parent or "",
+                    v.loss or "",
+                    v.samples,
+                    gate.get("candidate_accept_len", ""),
+                    gate.get("active_accept_len", ""),
+                    v.reason or "",
+                    v.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                ]
+            )
+        return rows
+
+    def login(token: str) -> tuple[Any, ...]:
+        if not service.cfg.admin_token:
+            return (
+                gr.update(visible=False),
+                "Admin is disabled: start the server with "
+                "`--admin-token` (or `ADAFLASH_ADMIN_TOKEN`).",
+                gr.update(),
+            )
+        if not authorised(token):
+            return gr.update(visible=False), "❌ Wrong admin token.", gr.update()
+        ids = [v.id for v in reversed(service.registry.list())]
+        return (
+            gr.update(visible=True),
+            "✅ Logged in.",
+            gr.update(choices=ids, value=ids[0] if ids else None),
+        )
+
+    def guarded(fn: Any) -> Any:
+        def run(token: str, *args: Any) -> tuple[str, list[list[Any]]]:
+            if not authorised(token):
+                return "❌ Not logged in.", versions_table()
+            try:
+                msg = fn(*args)
+            except (VersionError, ValueError) as exc:
+                msg = f"❌ {exc}"
+            return msg, versions_table()
+
+        return run
+
+    def do_train() -> str:
+        run_id = request_run(service.db, "admin")
+        note = "" if service.trainer_alive() else " (no trainer process is attached)"
+        return f"✅ Training run {run_id} requested{note}."
+
+    def do_promote(version: str) -> str:
+        v = service.registry.activate(version, reason="promoted from the admin UI")
+        service.watcher.check()
+        return f"✅ {v.id} is active; serving {service.engine.version}."
+
+    def do_rollback() -> str:
+        v = service.registry.rollback()
+        service.watcher.check()
+        return f"✅ Rolled back to {v.id}."
+
+    def do_config(policy: str, gamma: float) -> str:
+        service.engine.set_policy(policy, gamma)
+        service.runner.notify()
+        return f"✅ policy = {policy}, γ = {gamma:g} (from the next step)."
+
+    with gr.Blocks(title="AdaFlash") as demo:
+        gr.Markdown(
+            f"## ⚡ AdaFlash · `{service.model_name}` · self-improving speculative decoding"
+        )
+        with gr.Tab("Chat", id="chat"):
+            chatbot = gr.Chatbot(height=380, elem_id="chatbot", label="Conversation")
+            with gr.Row():
+                msg = gr.Textbox(
+                    placeholder="Ask something…",
+                    show_label=False,
+                    scale=6,
+                    elem_id="chat-input",
+                    autofocus=True,
+                )
+                send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+            reply_stats = gr.Markdown(elem_id="reply-stats")
+            tokens_view = gr.HTML(visible=False, elem_id="provenance")
+            with gr.Accordion("Settings", open=False):
+                system = gr.Textbox(label="System prompt", lines=2)
+                temperature = gr.Slider(
+                    0.0,
+                    service.cfg.max_temperature,
+                    value=0.0,
+                    step=0.05,
+                    label="Temperature (0 = greedy)",
+                )
+                max_tokens = gr.Slider(
+                    16, service.cfg.max_new_tokens, value=192, step=16, label="Max tokens"
+                )
+                show_tokens = gr.Checkbox(
+                    value=True,
+                    label="Colour tokens by how they were produced",
+                    elem_id="show-tokens",
+                )
+            clear = gr.Button("Clear conversation", size="sm")
+            inputs = [msg, chatbot, system, temperature, max_tokens, show_tokens]
+            outputs = [chatbot, msg, tokens_view, reply_stats]
+            msg.submit(respond, inputs, outputs)
+            send.click(respond, inputs, outputs)
+            clear.click(
+                lambda: ([], "", gr.update(value="", visible=False), ""),
+                None,
+                [chatbot, msg, tokens_view, reply_stats],
+            )
+
+        with gr.Tab("Dashboard", id="dashboard"):
+            with gr.Row():
+                window = gr.Dropdown(list(WINDOWS), value="5 min", label="Window", scale=1)
+                summary = gr.Markdown(elem_id="dash-summary")
+            with gr.Row():
+                tau_plot = gr.Plot(elem_id="plot-timeline", label="τ / verify length")
+                tps_plot = gr.Plot(elem_id="plot-throughput", label="tokens/s")
+            with gr.Row():
+                slot_plot = gr.Plot(elem_id="plot-slots", label="per-slot acceptance")
+                domain_plot = gr.Plot(elem_id="plot-domains", label="per-domain τ")
+            train_plot = gr.Plot(elem_id="plot-training", label="training runs")
+            runs_table = gr.Dataframe(
+                headers=[
+                    "run",
+                    "trigger",
+                    "status",
+                    "samples",
+                    "steps",
+                    "seconds",
+                    "version",
+                    "error",
+                ],
+                elem_id="runs-table",
+                label="training runs",
+            )
+            timer = gr.Timer(2.0)
+            dash_out = [summary, tau_plot, tps_plot, slot_plot, domain_plot, train_plot, runs_table]
+            timer.tick(dashboard, [window], dash_out)
+            window.change(dashboard, [window], dash_out)
+            demo.load(dashboard, [window], dash_out)
+
+        with gr.Tab("Admin", id="admin"):
+            with gr.Row():
+                token = gr.Textbox(
+                    type="password", label="Admin token", elem_id="admin-token", scale=4
+                )
+                login_btn = gr.Button("Log in", elem_id="admin-login", scale=1)
+            login_msg = gr.Markdown(elem_id="admin-login-msg")
+            with gr.Column(visible=False, elem_id="admin-panel") as panel:
+                status = gr.Markdown(elem_id="admin-status")
+                versions = gr.Dataframe(
+                    headers=[
+                        "version",
+                        "status",
+                        "parent",
+                        "loss",
+                        "samples",
+                        "gate τ (new)",
+                        "gate τ (active)",
+                        "reason",
+                        "created",
+                    ],
+                    value=versions_table,
+                    elem_id="versions-table",
+                    label="versions",
+                )
+                with gr.Row():
+                    train_btn = gr.Button("Retrain now", variant="primary", elem_id="train-btn")
+                    version_dd = gr.Dropdown(label="Version", choices=[], elem_id="version-dd")
+                    promote_btn = gr.Button("Promote", elem_id="promote-btn")
+                    rollback_btn = gr.Button("Roll back", elem_id="rollback-btn")
+                with gr.Row():
+                    policy = gr.Radio(
+                        ["ar", "fixed", "head"],
+                        value=service.engine.policy,
+                        label="Verify-length policy",
+                    )
+                    gamma = gr.Slider(
+                        0.25,
+                        3.0,
+                        value=service.engine.gamma,
+                        step=0.05,
+                        label="γ (load scaling of k̂)",
+                    )
+                    apply_btn = gr.Button("Apply", elem_id="apply-btn")
+            login_btn.click(login, [token], [panel, login_msg, version_dd])
+            train_btn.click(guarded(do_train), [token], [status, versions])
+            promote_btn.click(guarded(do_promote), [token, version_dd], [status, versions])
+            rollback_btn.click(guarded(do_rollback), [token], [status, versions])
+            apply_btn.click(guarded(do_config), [token, policy, gamma], [status, versions])
+    demo.css = CSS
+    return demo
+
+
+def _text(content: Any) -> str:
+    """Chatbot message content as plain text (Gradio 6 may hand back a list of parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return str(content)
