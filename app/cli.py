@@ -276,7 +276,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     # our handlers instead of uvicorn's, which re-raise Ctrl-C after shutting down
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     server.run()

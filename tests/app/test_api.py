@@ -2,6 +2,7 @@
 admin, and every kind of bad input."""
 
 import asyncio
+import itertools
 import json
 
 import httpx
@@ -141,7 +142,7 @@ def test_sglang_generate_shapes(server):
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(x) for x in lines[:-1]]
     assert chunks[-1]["text"] == r["text"]
-    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
+    assert all(b["text"].startswith(a["text"]) for a, b in itertools.pairwise(chunks))
     assert chunks[-1]["meta_info"]["completion_tokens"] == 12
     info = httpx.get(server.url + "/get_model_info").json()
     assert info["is_generation"] and info["speculative_num_draft_tokens"] == 16
