@@ -28,10 +28,21 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$STAMP"
 fi
 
+# Browser tests drive Debian's Chromium (Playwright cannot download a browser here).
+ensure_chromium() {
+  command -v chromium >/dev/null 2>&1 && return
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[dev.sh] installing Debian's chromium for the browser tests" >&2
+    apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
+  else
+    echo "[dev.sh] chromium is missing: install it (apt-get install chromium) or set ADAFLASH_CHROMIUM" >&2
+  fi
+}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
-  test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  test) ensure_chromium; exec "$VENV/bin/python" -m pytest "$@" ;;
   help|-h|--help) exec "$VENV/bin/adaflash" --help ;;
   *) exec "$VENV/bin/adaflash" "$cmd" "$@" ;;
 esac

@@ -18,22 +18,25 @@ from db.runs import list_runs, request_run
 from ui import charts
 
 WINDOWS = {"5 min": 300, "15 min": 900, "60 min": 3600}
-CSS = """
-.tok-draft { background: #c8e6c9; border-radius: 3px; }
-.tok-target { background: #ffe0b2; border-radius: 3px; }
-#provenance { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.7; }
-"""
+STYLE = {
+    "draft": "background:#c8e6c9;border-radius:3px",
+    "target": "background:#ffe0b2;border-radius:3px",
+}
 
 
 def provenance_html(pieces: list[tuple[str, str]]) -> str:
     """Tokens coloured by how they were produced: accepted draft (green) or target (orange)."""
-    spans = "".join(f'<span class="tok-{kind}">{html.escape(text)}</span>' for text, kind in pieces)
+    spans = "".join(
+        f'<span class="tok-{kind}" style="{STYLE[kind]}">{html.escape(text)}</span>'
+        for text, kind in pieces
+    )
     legend = (
         '<div style="font-size:12px;margin-bottom:6px">'
-        '<span class="tok-draft">accepted draft token</span> '
-        '<span class="tok-target">target token (bonus / plain)</span></div>'
+        f'<span style="{STYLE["draft"]}">&nbsp;accepted draft token&nbsp;</span> '
+        f'<span style="{STYLE["target"]}">&nbsp;target token (bonus / plain)&nbsp;</span></div>'
     )
-    return f"{legend}<div>{spans}</div>"
+    body = "font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.8"
+    return f'{legend}<div style="{body}">{spans}</div>'
 
 
 def build_ui(service: Service) -> gr.Blocks:
@@ -47,6 +50,7 @@ def build_ui(service: Service) -> gr.Blocks:
         max_tokens: int,
         show_tokens: bool,
     ) -> AsyncIterator[tuple[Any, ...]]:
+        message, system, history = message or "", system or "", history or []
         if not message.strip():
             yield history, "", gr.update(), "Type a message first."
             return
@@ -68,7 +72,7 @@ def build_ui(service: Service) -> gr.Blocks:
                 prompt_len=len(prompt),
             )
         except ValueError as exc:
-            history[-1]["content"] = f"⚠️ {exc}"
+            history[-1]["content"] = f"Error: {exc}"
             yield history, "", gr.update(), ""
             return
         t0, text, pieces, n, rounds = time.perf_counter(), "", [], 0, 0
@@ -102,11 +106,13 @@ def build_ui(service: Service) -> gr.Blocks:
         runs = list_runs(service.db, 20)
         total = sum((b.counters for b in buckets), SpecCounters(service.engine.block_size))
         tokens = sum(b.tokens for b in buckets)
+        busy_s = sum(b.seconds for b in buckets)  # only buckets that saw rounds
         summary = (
             f"**serving {service.engine.version}** · policy `{service.engine.policy}` · "
             f"γ = {service.engine.gamma:g} · last {window}: {total.rounds} rounds, "
             f"τ = {total.accept_len:.2f}, verify_len = {total.verify_len:.2f}, "
-            f"{tokens / w:.1f} tokens/s · queue drops {service.sink.dropped} · trainer "
+            f"{tokens / max(busy_s, 1e-9):.1f} tokens/s while busy · queue drops "
+            f"{service.sink.dropped} · trainer "
             f"{'up' if service.trainer_alive() else 'not running'}"
         )
         table = [
@@ -164,22 +170,22 @@ def build_ui(service: Service) -> gr.Blocks:
                 gr.update(),
             )
         if not authorised(token):
-            return gr.update(visible=False), "❌ Wrong admin token.", gr.update()
+            return gr.update(visible=False), "Error: Wrong admin token.", gr.update()
         ids = [v.id for v in reversed(service.registry.list())]
         return (
             gr.update(visible=True),
-            "✅ Logged in.",
+            "OK: Logged in.",
             gr.update(choices=ids, value=ids[0] if ids else None),
         )
 
     def guarded(fn: Any) -> Any:
         def run(token: str, *args: Any) -> tuple[str, list[list[Any]]]:
             if not authorised(token):
-                return "❌ Not logged in.", versions_table()
+                return "Error: Not logged in.", versions_table()
             try:
                 msg = fn(*args)
             except (VersionError, ValueError) as exc:
-                msg = f"❌ {exc}"
+                msg = f"Error: {exc}"
             return msg, versions_table()
 
         return run
@@ -187,22 +193,22 @@ def build_ui(service: Service) -> gr.Blocks:
     def do_train() -> str:
         run_id = request_run(service.db, "admin")
         note = "" if service.trainer_alive() else " (no trainer process is attached)"
-        return f"✅ Training run {run_id} requested{note}."
+        return f"OK: Training run {run_id} requested{note}."
 
     def do_promote(version: str) -> str:
         v = service.registry.activate(version, reason="promoted from the admin UI")
         service.watcher.check()
-        return f"✅ {v.id} is active; serving {service.engine.version}."
+        return f"OK: {v.id} is active; serving {service.engine.version}."
 
     def do_rollback() -> str:
         v = service.registry.rollback()
         service.watcher.check()
-        return f"✅ Rolled back to {v.id}."
+        return f"OK: Rolled back to {v.id}."
 
     def do_config(policy: str, gamma: float) -> str:
         service.engine.set_policy(policy, gamma)
         service.runner.notify()
-        return f"✅ policy = {policy}, γ = {gamma:g} (from the next step)."
+        return f"OK: policy = {policy}, γ = {gamma:g} (from the next step)."
 
     with gr.Blocks(title="AdaFlash") as demo:
         gr.Markdown(
@@ -329,7 +335,6 @@ def build_ui(service: Service) -> gr.Blocks:
             promote_btn.click(guarded(do_promote), [token, version_dd], [status, versions])
             rollback_btn.click(guarded(do_rollback), [token], [status, versions])
             apply_btn.click(guarded(do_config), [token, policy, gamma], [status, versions])
-    demo.css = CSS
     return demo
 
 

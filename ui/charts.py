@@ -18,6 +18,7 @@ def _figure(title: str) -> tuple[Figure, Any]:
     ax = fig.add_subplot()
     ax.set_title(title, fontsize=11)
     ax.grid(alpha=0.3)
+    fig.set_layout_engine("tight")
     return fig, ax
 
 

@@ -13,7 +13,7 @@ from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.models.target import load_target
 from adaflash.tokenizer import Tokenizer
-from tests.app.conftest import ADMIN_TOKEN
+from tests.server import ADMIN_TOKEN
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +265,7 @@ def test_admin_requires_the_bearer_token(server):
 def test_clean_shutdown_flushes_the_buffer(tmp_path):
     import sqlite3
 
-    from tests.app.conftest import start_server, stop_server
+    from tests.server import start_server, stop_server
 
     s = start_server(tmp_path, admin=False)
     r = httpx.post(s.url + "/admin/train")
