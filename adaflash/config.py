@@ -344,8 +344,15 @@ class DistillConfig:
     max_steps: int = -1
     max_minutes: float | None = None
     seed: int = 0
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # Lightning strategy (multi-GPU / node)
+    devices: int | str = "auto"
+    num_nodes: int = 1
 
     def __post_init__(self) -> None:
+        if self.strategy not in ("auto", "ddp", "fsdp"):
+            raise ValueError(f"strategy must be auto, ddp or fsdp, got {self.strategy!r}")
+        if self.num_nodes < 1:
+            raise ValueError("num_nodes must be ≥ 1")
         if self.loss not in ("opd", "osd"):
             raise ValueError(f"loss must be 'opd' or 'osd', got {self.loss!r}")
         if not 0.0 <= self.alpha <= 1.0:

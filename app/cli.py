@@ -31,6 +31,9 @@ def distill_config(args: argparse.Namespace) -> DistillConfig:
         head_lr=args.head_lr,
         bf16_autocast=args.bf16_autocast,
         seed=args.seed,
+        strategy=args.strategy,
+        devices=int(args.devices) if str(args.devices).isdigit() else args.devices,
+        num_nodes=args.num_nodes,
     )
 
 
@@ -49,6 +52,14 @@ def add_distill_args(p: argparse.ArgumentParser, epochs: int = 2) -> None:
     p.add_argument("--head-lr", type=float, default=2e-4, help="length-head learning rate")
     p.add_argument("--bf16-autocast", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--strategy",
+        choices=["auto", "ddp", "fsdp"],
+        default="auto",
+        help="Lightning strategy for several GPUs or nodes",
+    )
+    p.add_argument("--devices", default="auto", help="GPUs per node (CPU runs use one process)")
+    p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 
@@ -227,6 +238,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.service import ServeConfig, Service
 
     cfg = ServeConfig.from_env(
+        backend=args.backend,
         host=args.host,
         port=args.port,
         target=args.target,
@@ -289,6 +301,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve the OpenAI/SGLang APIs, the UI and the dashboard "
         "(embedded default: SmolLM2 + the shipped drafter)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["adaflash", "sglang"],
+        default=None,
+        help="engine backend (default adaflash; sglang needs CUDA)",
     )
     p.add_argument("--host", default=None, help="default 127.0.0.1 (ADAFLASH_HOST)")
     p.add_argument("--port", type=int, default=None, help="default 8000 (ADAFLASH_PORT)")

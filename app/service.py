@@ -40,6 +40,7 @@ class ServeConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    backend: str = "adaflash"  # or "sglang" (CUDA hosts; see app/sglang_backend.py)
     target: str | None = None  # folder, default model name or hub id; default smollm2
     drafter: str | None = None  # folder or "none"; default: the shipped drafter
     database_url: str | None = None  # default: SQLite under the data dir
@@ -67,6 +68,8 @@ class ServeConfig:
             raise ValueError(f"port must be 1…65535, got {self.port}")
         if self.max_temperature < 0 or self.gamma <= 0:
             raise ValueError("max_temperature must be ≥ 0 and gamma > 0")
+        if self.backend not in ("adaflash", "sglang"):
+            raise ValueError(f"backend must be adaflash or sglang, got {self.backend!r}")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ValueError("admin token must be at least 8 characters")
 
@@ -93,6 +96,10 @@ class ServeConfig:
 
 class Service:
     def __init__(self, cfg: ServeConfig) -> None:
+        if cfg.backend == "sglang":
+            from app.sglang_backend import require_sglang
+
+            require_sglang()  # refuses with the reason on this machine
         self.cfg = cfg
         self.started_at = time.time()
         if cfg.threads:

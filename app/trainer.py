@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,8 +103,13 @@ class TrainerService:
             self.scheduler.shutdown(wait=True)
             self.scheduler = None
 
+    def heartbeat(self) -> None:
+        """Touch ``trainer.heartbeat`` beside the weights (the compose health check reads it)."""
+        (self.registry.weights_dir.parent / "trainer.heartbeat").write_text(f"{time.time()}\n")
+
     def tick(self) -> RoundOutcome | None:
         """Admin requests first, then the new-data threshold."""
+        self.heartbeat()
         requested = pending_request(self.db)
         if requested is not None:
             return self.run_now("admin", requested)

@@ -95,7 +95,9 @@ def fit(
     data = TrajectoryDataModule(train, val or [], batch_size=cfg.batch_size, seed=cfg.seed)
     trainer = L.Trainer(
         accelerator="cpu" if not torch.cuda.is_available() else "auto",
-        devices=1,
+        devices=cfg.devices if torch.cuda.is_available() else 1,
+        strategy=cfg.strategy,
+        num_nodes=cfg.num_nodes,
         max_epochs=cfg.epochs,
         max_steps=cfg.max_steps,
         max_time={"seconds": int(cfg.max_minutes * 60)} if cfg.max_minutes else None,
