@@ -5,12 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import compose
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-import compose
 from adaflash.config import DistillConfig, DrafterConfig, TargetConfig
 from adaflash.models.drafter import DFlashDrafter, save_drafter
 from app.sglang_backend import BackendUnavailable, dflash_compat_problems, require_sglang
