@@ -1,0 +1,79 @@
+"""Refresh docs/screenshots/ from a real `adaflash serve` on the default model.
+
+Starts the server (fresh data folder, admin token), sends a few chats through the OpenAI API so
+the dashboard has data, then drives Debian's Chromium with Playwright through the three tabs.
+
+    python scripts/screenshots.py [--out docs/screenshots]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from playwright.sync_api import expect, sync_playwright
+
+TOKEN = "screenshot-admin-token"
+QUESTIONS = ["What is the capital of France?", "Give me three tips for a good night's sleep.",
+             "Write a haiku about the sea."]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="docs/screenshots")
+    ap.add_argument("--port", type=int, default=8631)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = Path(tempfile.mkdtemp(prefix="adaflash-shots-"))
+    env = {**os.environ, "ADAFLASH_DATA": str(data)}
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(args.port),
+                             "--admin-token", TOKEN, "--no-trainer"], env=env)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        for q in QUESTIONS[1:]:
+            httpx.post(url + "/v1/chat/completions", timeout=300, json={
+                "messages": [{"role": "user", "content": q}], "max_tokens": 96,
+                "temperature": 0, "domain": "chat"})
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
+                "--no-sandbox", "--disable-dev-shm-usage", "--disable-background-networking",
+                "--disable-component-update", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.set_default_timeout(300_000)
+            page.goto(url + "/ui/")
+            page.locator("#chat-input textarea").fill(QUESTIONS[0])
+            page.locator("#send").click()
+            expect(page.locator("#reply-stats")).to_contain_text("finish:")
+            page.screenshot(path=str(out / "chat.png"), full_page=True)
+            page.get_by_role("tab", name="Dashboard").click()
+            expect(page.locator("#plot-timeline img")).to_be_visible()
+            time.sleep(3)
+            page.screenshot(path=str(out / "dashboard.png"), full_page=True)
+            page.get_by_role("tab", name="Admin").click()
+            page.locator("#admin-token input").fill(TOKEN)
+            page.locator("#admin-login").click()
+            expect(page.locator("#versions-table")).to_contain_text("v0000")
+            page.screenshot(path=str(out / "admin.png"), full_page=True)
+            browser.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    print(f"wrote {out}/chat.png, dashboard.png, admin.png")
+
+
+if __name__ == "__main__":
+    main()
