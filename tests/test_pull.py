@@ -42,7 +42,7 @@ def test_unreachable_registry_gives_one_clear_error(tmp_path, monkeypatch):
 def test_local_folders_names_and_hub_ids(tmp_path, monkeypatch):
     folder = tmp_path / "m"
     folder.mkdir()
-    with pytest.raises(P.PullError, match="no config.json"):
+    with pytest.raises(P.PullError, match=r"no config\.json"):
         P.resolve_target(str(folder))
     (folder / "config.json").write_text("{}")
     assert P.resolve_target(str(folder)) == folder
