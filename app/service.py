@@ -242,7 +242,11 @@ class Service:
                 f"the prompt ({prompt_len} tokens) fills the context window of "
                 f"{self.engine.max_context} tokens"
             )
-        n = max_new_tokens if max_new_tokens is not None else min(256, room)
+        n = (
+            max_new_tokens
+            if max_new_tokens is not None
+            else min(256, room, self.cfg.max_new_tokens)
+        )
         if n > self.cfg.max_new_tokens:
             raise ValueError(
                 f"max tokens {n} is above this server's limit {self.cfg.max_new_tokens}"
