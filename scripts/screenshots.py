@@ -21,8 +21,11 @@ import httpx
 from playwright.sync_api import expect, sync_playwright
 
 TOKEN = "screenshot-admin-token"
-QUESTIONS = ["What is the capital of France?", "Give me three tips for a good night's sleep.",
-             "Write a haiku about the sea."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for a good night's sleep.",
+    "Write a haiku about the sea.",
+]
 
 
 def main() -> None:
@@ -34,8 +37,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     data = Path(tempfile.mkdtemp(prefix="adaflash-shots-"))
     env = {**os.environ, "ADAFLASH_DATA": str(data)}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(args.port),
-                             "--admin-token", TOKEN, "--no-trainer"], env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--port",
+            str(args.port),
+            "--admin-token",
+            TOKEN,
+            "--no-trainer",
+        ],
+        env=env,
+    )
     url = f"http://127.0.0.1:{args.port}"
     try:
         for _ in range(600):
@@ -45,13 +60,27 @@ def main() -> None:
             except httpx.HTTPError:
                 time.sleep(1)
         for q in QUESTIONS[1:]:
-            httpx.post(url + "/v1/chat/completions", timeout=300, json={
-                "messages": [{"role": "user", "content": q}], "max_tokens": 96,
-                "temperature": 0, "domain": "chat"})
+            httpx.post(
+                url + "/v1/chat/completions",
+                timeout=300,
+                json={
+                    "messages": [{"role": "user", "content": q}],
+                    "max_tokens": 96,
+                    "temperature": 0,
+                    "domain": "chat",
+                },
+            )
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                "--no-sandbox", "--disable-dev-shm-usage", "--disable-background-networking",
-                "--disable-component-update", "--disable-gpu"])
+            browser = pw.chromium.launch(
+                executable_path="/usr/bin/chromium",
+                args=[
+                    "--no-sandbox",
+                    "--disable-dev-shm-usage",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-gpu",
+                ],
+            )
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             page.set_default_timeout(300_000)
             page.goto(url + "/ui/")
