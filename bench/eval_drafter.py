@@ -69,8 +69,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--methods", nargs="+", default=["ar", "fixed", "head"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     target_dir = resolve_target(args.target)
     target = load_target(target_dir, args.dtype)
