@@ -344,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_serve(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     return core.run(args)
 
 
