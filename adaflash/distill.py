@@ -22,6 +22,7 @@ import torch
 from adaflash.losses import ALPHA, DELTA, opd_loss, osd_loss, weighted_slot_mean
 from adaflash.metrics import SpecCounters
 from adaflash.models.drafter import DFlashDrafter
+from adaflash.models.layers import BlockMask
 from adaflash.models.length_head import acceptance_label, head_loss
 from adaflash.models.target import PackedBatch, TargetModel
 
@@ -61,13 +62,10 @@ def sample_anchors(
     return candidates
 
 
-def block_attention_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:
-    """(Nb·k, ctx_len + Nb·k) bool: block b sees context positions < p_b and its own k slots."""
-    nb, k = anchors.numel(), block_size
-    q_block = torch.arange(nb).repeat_interleave(k)  # (Nb·k,) which block each query is in
-    ctx_ok = torch.arange(ctx_len)[None, :] < anchors[q_block][:, None]  # (Nb·k, ctx_len)
-    blk_ok = q_block[:, None] == torch.arange(nb).repeat_interleave(k)[None, :]  # (Nb·k, Nb·k)
-    return torch.cat([ctx_ok, blk_ok], dim=1)
+def block_attention_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> BlockMask:
+    """Block b sees context positions < p_b and its own k slots ((Nb·k, ctx_len + Nb·k) when
+    made dense; kept structured so flash-attn can run it as a varlen batch on a GPU)."""
+    return BlockMask(anchors, block_size, ctx_len)
 
 
 def block_states(

@@ -12,17 +12,26 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
-from adaflash.engine.engine import Engine
+from adaflash.models.drafter import DFlashDrafter
 from db.registry import Registry, VersionError
 
 log = logging.getLogger(__name__)
 
 
+class Swappable(Protocol):
+    """What the watcher needs of a serving engine (the embedded Engine, the SGLang backend)."""
+
+    version: str
+
+    def swap_drafter(self, drafter: DFlashDrafter, version: str) -> None: ...
+
+
 class VersionWatcher:
     def __init__(
         self,
-        engine: Engine,
+        engine: Swappable,
         registry: Registry,
         dtype: str,
         poll_s: float = 2.0,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from adaflash.cli import resolve_drafter
-from adaflash.config import POLICIES, EngineConfig, Policy, SamplingParams
+from adaflash.config import POLICIES, EngineConfig, Policy, SamplingParams, TargetConfig
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import QueueSink
 from adaflash.engine.runner import EngineRunner
@@ -27,6 +27,7 @@ from adaflash.models.target import load_target
 from adaflash.pull import resolve_target
 from adaflash.tokenizer import Tokenizer
 from app.hotswap import VersionWatcher
+from app.sglang_engine import SGLangBackend
 from db.buffer import BufferWriter
 from db.registry import Registry, VersionError, file_sha256
 from db.session import data_dir, make_engine, migrate
@@ -107,43 +108,72 @@ class Service:
         self.target_dir = resolve_target(cfg.target)
         self.model_name = self.target_dir.name
         self.tokenizer = Tokenizer.from_folder(self.target_dir)
-        self.target = load_target(self.target_dir, cfg.dtype)
         self.db_url = cfg.database_url or f"sqlite:///{data_dir() / 'adaflash.db'}"
         self.db = make_engine(self.db_url)
         migrate(self.db)
         self.registry = Registry(self.db, cfg.weights_dir or data_dir() / "weights")
         drafter_dir = resolve_drafter(cfg.drafter, cfg.target)
-        version, drafter = self._initial_drafter(drafter_dir)
+        version, drafter, served_dir = self._initial_drafter(drafter_dir)
         self.sink = QueueSink(maxsize=50_000)
-        eos = tuple(sorted(set(self.target.cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
-        self.engine = Engine(
-            self.target,
-            drafter,
-            EngineConfig(
-                policy=cfg.policy if drafter is not None else "ar",
-                gamma=cfg.gamma,
-                dtype=cfg.dtype,
-                max_running_requests=cfg.max_running_requests,
-                max_batch_tokens=max(cfg.max_batch_tokens, 16),
-            ),
-            sink=self.sink,
-            drafter_version=version,
-            detokenize=self.tokenizer.decode,
-            eos_token_ids=eos,
-        )
-        self.runner = EngineRunner(self.engine)
+        self.engine: Engine | SGLangBackend
+        self.runner: EngineRunner | SGLangBackend
+        if cfg.backend == "sglang":
+            if drafter is None or served_dir is None:
+                raise ValueError(
+                    "the SGLang backend serves a DFlash drafter; --drafter none is not"
+                )
+            self.target = None
+            self.engine = self.runner = self._sglang_backend(drafter, served_dir, version)
+        else:
+            self.target = load_target(self.target_dir, cfg.dtype)
+            eos = tuple(
+                sorted(set(self.target.cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids))
+            )
+            self.engine = Engine(
+                self.target,
+                drafter,
+                EngineConfig(
+                    policy=cfg.policy if drafter is not None else "ar",
+                    gamma=cfg.gamma,
+                    dtype=cfg.dtype,
+                    max_running_requests=cfg.max_running_requests,
+                    max_batch_tokens=max(cfg.max_batch_tokens, 16),
+                ),
+                sink=self.sink,
+                drafter_version=version,
+                detokenize=self.tokenizer.decode,
+                eos_token_ids=eos,
+            )
+            self.runner = EngineRunner(self.engine)
         self.writer = BufferWriter(self.db, self.sink)
         self.watcher = VersionWatcher(self.engine, self.registry, cfg.dtype)
         self.trainer: subprocess.Popen[bytes] | None = None
         self.swap_log: list[tuple[float, str]] = [(time.time(), version)]
         self.watcher.on_swap = lambda v: self.swap_log.append((time.time(), v))
 
-    def _initial_drafter(self, folder: str | None) -> tuple[str, Any]:
+    def _sglang_backend(self, drafter: Any, folder: Path, version: str) -> SGLangBackend:
+        """SGLang serves the target with ``folder`` as its DFLASH drafter (CUDA hosts)."""
+        from app.sglang_engine import EmbeddedSGLang, draft_tensors, embedded_sglang_args
+
+        args = embedded_sglang_args(
+            str(self.target_dir), str(folder), self.cfg.dtype, self.cfg.max_running_requests
+        )
+        return SGLangBackend(
+            lambda: EmbeddedSGLang(**args),
+            target_cfg=TargetConfig.from_folder(self.target_dir),
+            drafter_cfg=drafter.cfg,
+            initial_weights=draft_tensors(drafter),
+            version=version,
+            decode=self.tokenizer.decode,
+            sink=self.sink,
+        )
+
+    def _initial_drafter(self, folder: str | None) -> tuple[str, Any, Path | None]:
         """Serve the registry's active version; register the shipped (or given) drafter as a
         version first when it is not there yet. A broken active version falls back to the
-        folder, and serving still starts."""
+        folder, and serving still starts. Returns (version, drafter, its folder)."""
         if folder is None:
-            return "none", None
+            return "none", None, None
         weights = Path(folder) / "model.safetensors"
         sha = file_sha256(weights)
         known = {v.sha256: v for v in self.registry.list()}
@@ -155,12 +185,16 @@ class Service:
         active = self.registry.active()
         assert active is not None
         try:
-            return active.id, self.registry.load(active.id, self.cfg.dtype)
+            return active.id, self.registry.load(active.id, self.cfg.dtype), active.path
         except VersionError as exc:
             log.error("active version unusable (%s); serving %s instead", exc, folder)
             from adaflash.models.drafter import load_drafter
 
-            return f"file:{Path(folder).name}", load_drafter(folder, self.cfg.dtype)
+            return (
+                f"file:{Path(folder).name}",
+                load_drafter(folder, self.cfg.dtype),
+                Path(folder),
+            )
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:

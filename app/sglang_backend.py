@@ -4,8 +4,8 @@ SGLang 0.5.x serves DFlash drafters with ``speculative_algorithm="DFLASH"``; Ada
 checkpoints are written in that layout (SPEC §2, §8). This module holds the parts that can be
 checked on any machine: selecting the backend (refused at start-up without CUDA or without the
 package, with a sentence that says why) and checking that a drafter folder loads as a plain
-DFlash drafter under SGLang's loader rules. Serving through an embedded ``sglang.Engine`` is not
-wired into ``adaflash serve`` yet; ``LACKS`` lists what that backend could not do even then.
+DFlash drafter under SGLang's loader rules. The serving side is ``app/sglang_engine.py``;
+``LACKS`` lists what it cannot do that the embedded AdaFlash engine does.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from safetensors import safe_open
 
 # Features of the embedded engine that SGLang's stock DFLASH worker does not provide.
 LACKS = (
-    "the adaptive length head (SGLang's DFLASH verifies a fixed block of block_size tokens; "
-    "an `sglang.srt.plugins` speculative algorithm that reads length_head.* is not written yet)",
+    "the adaptive length head and the ar/head policies (SGLang's DFLASH verifies the whole block "
+    "every round; an `sglang.srt.plugins` speculative algorithm that reads length_head.* is not "
+    "written yet), so the trainer's refitted head is not used while SGLang serves",
     "per-round records (SGLang reports per-request totals in meta_info['spec_*'] only), so the "
     "dashboard's per-slot acceptance curve stays empty",
     "token provenance colours in the chat view",
@@ -59,11 +60,6 @@ def require_sglang() -> None:
         raise BackendUnavailable(
             "the SGLang backend needs the sglang package: pip install 'adaflash[sglang]'"
         )
-    raise BackendUnavailable(
-        "serving through an embedded sglang.Engine is not wired into `adaflash serve` yet; "
-        "serve the drafter with SGLang directly (speculative_algorithm='DFLASH') or use "
-        "--backend adaflash"
-    )
 
 
 def dflash_compat_problems(folder: str | Path) -> list[str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -156,7 +157,12 @@ def main() -> None:
     ap.add_argument("--target", default=None)
     ap.add_argument("--domains", nargs="+", default=["math", "code", "chat", "blend"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument("--prompts", type=int, default=16, help="eval prompts per domain")
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        default=16,
+        help="eval prompts per domain (at concurrency C > this, the first C prompts)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="online adaptation rounds")
     ap.add_argument("--chunk", type=int, default=64, help="train trajectories per round")
@@ -164,8 +170,12 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--sim-anchors", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--note", default="", help="free text stored with the results")
     ap.add_argument("--out", default="docs/results/compare")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.domains, args.concurrency = ["chat", "math"], [1, 4]
         args.prompts, args.max_new_tokens, args.rounds, args.chunk = 4, 48, 1, 8
@@ -183,10 +193,11 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     rows, curves = [], {}
     for domain in args.domains:
-        prompts = [
+        all_prompts = [
             encode_prompt(tok, p.prompt, chat=True)
-            for p in load_prompts(domain, "eval", args.prompts)
+            for p in load_prompts(domain, "eval", max([args.prompts, *args.concurrency]))
         ]
+        prompts = all_prompts[: args.prompts]
         # the domain's on-policy data: greedy trajectories of its train prompts
         train_prompts = [
             encode_prompt(tok, p.prompt, chat=True)
@@ -211,7 +222,7 @@ def main() -> None:
                 EngineConfig(policy="ar", max_running_requests=16),
                 eos_token_ids=tuple(eos),
             ),
-            prompts,
+            all_prompts,
             params,
         )["_outputs"]
         evals = [(p + ar_ref[tuple(p)], len(p)) for p in prompts]
@@ -226,6 +237,7 @@ def main() -> None:
                 flush=True,
             )
         for c in args.concurrency:
+            prompts = all_prompts[: max(args.prompts, c)]
             cfg = {"max_running_requests": c, "max_batch_tokens": 16 * c}
             base = run_engine(
                 Engine(target, None, EngineConfig(policy="ar", **cfg), eos_token_ids=tuple(eos)),
@@ -282,7 +294,8 @@ def main() -> None:
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),
-            "cpus": torch.get_num_threads(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
         },
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -304,8 +317,10 @@ def markdown(result: dict) -> str:
     lines = [
         f"Speedup over `ar` / τ (verify length) — {result['date']}, "
         f"{result['machine']['platform']}, torch {result['machine']['torch']}, "
-        f"{result['args']['prompts']} prompts × {result['args']['max_new_tokens']} tokens per "
-        "domain, greedy, bf16.",
+        f"{result['args']['prompts']} prompts (C prompts where C is larger) × "
+        f"{result['args']['max_new_tokens']} tokens per domain, greedy, "
+        f"{result['args']['dtype']}, {result['machine']['torch_threads']} torch thread(s). "
+        + result["args"].get("note", ""),
         "",
         "| method | C | " + " | ".join(domains) + " | avg |",
         "|---|---|" + "---|" * (len(domains) + 1),

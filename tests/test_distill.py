@@ -38,7 +38,7 @@ def test_anchors_cover_response_positions_only():
 
 
 def test_mask_context_strictly_before_anchor_and_blocks_isolated():
-    m = block_attention_mask(torch.tensor([3, 6]), block_size=2, ctx_len=8)
+    m = block_attention_mask(torch.tensor([3, 6]), block_size=2, ctx_len=8).dense()
     assert m.shape == (4, 8 + 4)
     assert m[0, :8].tolist() == [True] * 3 + [False] * 5  # block at p=3 sees 0, 1, 2
     assert m[2, :8].tolist() == [True] * 6 + [False] * 2

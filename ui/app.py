@@ -21,19 +21,27 @@ WINDOWS = {"5 min": 300, "15 min": 900, "60 min": 3600}
 STYLE = {
     "draft": "background:#c8e6c9;border-radius:3px",
     "target": "background:#ffe0b2;border-radius:3px",
+    "unknown": "background:#eeeeee;border-radius:3px",  # the SGLang backend does not say
 }
 
 
 def provenance_html(pieces: list[tuple[str, str]]) -> str:
     """Tokens coloured by how they were produced: accepted draft (green) or target (orange)."""
     spans = "".join(
-        f'<span class="tok-{kind}" style="{STYLE[kind]}">{html.escape(text)}</span>'
+        f'<span class="tok-{kind}" style="{STYLE.get(kind, STYLE["unknown"])}">'
+        f"{html.escape(text)}</span>"
         for text, kind in pieces
     )
     legend = (
         '<div style="font-size:12px;margin-bottom:6px">'
         f'<span style="{STYLE["draft"]}">&nbsp;accepted draft token&nbsp;</span> '
-        f'<span style="{STYLE["target"]}">&nbsp;target token (bonus / plain)&nbsp;</span></div>'
+        f'<span style="{STYLE["target"]}">&nbsp;target token (bonus / plain)&nbsp;</span>'
+        + (
+            f' <span style="{STYLE["unknown"]}">&nbsp;not reported by the backend&nbsp;</span>'
+            if any(kind not in ("draft", "target") for _, kind in pieces)
+            else ""
+        )
+        + "</div>"
     )
     body = "font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.8"
     return f'{legend}<div style="{body}">{spans}</div>'

@@ -90,7 +90,13 @@ def slots(counters: SpecCounters) -> Figure:
     values = counters.slot_acceptance
     xs = [i + 1 for i, v in enumerate(values) if v is not None]
     if not xs:
-        _empty(ax)
+        _empty(
+            ax,
+            f"{counters.rounds} rounds in this window, none verified a draft token\n"
+            "(verify length 1: plain decoding, or the length head chose k̂ = 1)"
+            if counters.rounds
+            else "no rounds in this window yet",
+        )
         return fig
     ax.plot(xs, [v for v in values if v is not None], color=GREEN, marker="o")
     ax.set_xlabel("draft slot")

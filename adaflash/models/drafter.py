@@ -20,7 +20,7 @@ from torch import nn
 
 from adaflash.config import DrafterConfig
 from adaflash.models.checkpoint import load_tensors, resolve_dtype, save_tensors
-from adaflash.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend
+from adaflash.models.layers import Mask, RMSNorm, Rotary, SwiGLU, apply_rope, attend
 from adaflash.models.length_head import LengthHead
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (kv_heads, n, d) each
@@ -53,7 +53,7 @@ class DrafterAttention(nn.Module):
         cos: torch.Tensor,  # (B, Q, d)
         sin: torch.Tensor,
         ctx_kv: list[KV],  # per item: context keys/values of this layer (kv_heads, C_b, d)
-        masks: list[torch.Tensor | None] | None,  # per item (Q, C_b + Q) bool, None = see all
+        masks: list[Mask] | None,  # per item (Q, C_b + Q) bool or BlockMask, None = see all
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
         outs = []
@@ -81,7 +81,7 @@ class DrafterLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         ctx_kv: list[KV],
-        masks: list[torch.Tensor | None] | None,
+        masks: list[Mask] | None,
     ) -> torch.Tensor:
         # Context never passes this layer's input norm or MLP: only its k/v projections.
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_kv, masks)
@@ -127,7 +127,7 @@ class DFlashDrafter(nn.Module):
         block: torch.Tensor,  # (B, Q, H) target embeddings of [anchor, mask, …]
         positions: torch.Tensor,  # (B, Q) absolute positions
         ctx_kv: list[list[KV]],  # [item][layer] context keys/values
-        masks: list[torch.Tensor | None] | None = None,
+        masks: list[Mask] | None = None,
     ) -> torch.Tensor:
         """Final normed block states (B, Q, H); the target LM head turns them into drafts."""
         b, q_len, _ = block.shape

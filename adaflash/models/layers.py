@@ -7,7 +7,11 @@ fp32 and cast to the activation dtype; rotation is the ``rotate_half`` conventio
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -82,14 +86,95 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+@dataclass(frozen=True)
+class BlockMask:
+    """The drafter's training attention, kept structured: queries come in ``block_size``-row
+    blocks; block b sees context keys [0, ctx_lens[b]) and its own block's keys, which follow the
+    ``n_ctx`` context keys in block order. ``dense()`` is the same mask as a bool matrix."""
+
+    ctx_lens: torch.Tensor  # (Nb,) context length each block sees (its anchor position)
+    block_size: int
+    n_ctx: int
+
+    def dense(self, device: torch.device | None = None) -> torch.Tensor:
+        """(Nb·k, n_ctx + Nb·k) bool, True = may attend."""
+        nb, k = self.ctx_lens.numel(), self.block_size
+        q_block = torch.arange(nb, device=device).repeat_interleave(k)  # (Nb·k,)
+        lens = self.ctx_lens.to(device)
+        ctx_ok = torch.arange(self.n_ctx, device=device)[None, :] < lens[q_block][:, None]
+        blk_ok = q_block[:, None] == q_block[None, :]  # (Nb·k, Nb·k)
+        return torch.cat([ctx_ok, blk_ok], dim=1)
+
+    def key_index(self, device: torch.device | None = None) -> torch.Tensor:
+        """Packed key order for a varlen kernel: per block, its context prefix then its block."""
+        k = self.block_size
+        parts = [
+            torch.cat([torch.arange(p), self.n_ctx + b * k + torch.arange(k)])
+            for b, p in enumerate(self.ctx_lens.tolist())
+        ]
+        return torch.cat(parts).to(device)
+
+
+Mask = torch.Tensor | BlockMask | None
+
+
+@functools.cache
+def flash_varlen_kernel() -> Callable[..., torch.Tensor] | None:
+    """flash-attn's ``flash_attn_varlen_func`` when installed (``adaflash[flash-attn]``) and not
+    switched off with ``ADAFLASH_FLASH_ATTN=0``; else None (PyTorch SDPA is used)."""
+    if os.environ.get("ADAFLASH_FLASH_ATTN", "1") == "0":
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def block_attend_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: BlockMask,
+    kernel: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
+    """``attend`` under a BlockMask as one varlen call: one sequence per block, whose keys are
+    the block's context prefix and its own slots (gathered, so no mask is needed).
+
+    q (Nb·k, heads, d); k, v (kv_heads, n_ctx + Nb·k, d). Returns (Nb·k, heads·d).
+    """
+    nb, bs = mask.ctx_lens.numel(), mask.block_size
+    idx = mask.key_index(q.device)  # (Σ (p_b + k),)
+    keys = k[:, idx].transpose(0, 1).contiguous()  # (Σ, kv_heads, d)
+    values = v[:, idx].transpose(0, 1).contiguous()
+    lens = mask.ctx_lens.to(q.device, torch.int32) + bs
+    cu_k = torch.cat([lens.new_zeros(1), lens.cumsum(0, dtype=torch.int32)])
+    cu_q = torch.arange(nb + 1, device=q.device, dtype=torch.int32) * bs
+    out = kernel(
+        q.contiguous(),
+        keys,
+        values,
+        cu_q,
+        cu_k,
+        bs,
+        int(lens.max()),
+        causal=False,
+    )  # (Nb·k, heads, d)
+    return out.reshape(q.shape[0], -1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
     """Grouped-query attention for one sequence.
 
-    q (n_q, heads, d); k, v (kv_heads, n_k, d); mask (n_q, n_k) bool (True = may attend) or None
-    for full attention. Returns (n_q, heads·d).
+    q (n_q, heads, d); k, v (kv_heads, n_k, d); mask (n_q, n_k) bool (True = may attend), a
+    BlockMask, or None for full attention. Returns (n_q, heads·d). A BlockMask on a CUDA half /
+    bf16 tensor goes to flash-attn when it is installed.
     """
+    if isinstance(mask, BlockMask):
+        kernel = flash_varlen_kernel() if q.is_cuda and q.dtype != torch.float32 else None
+        if kernel is not None:
+            return block_attend_varlen(q, k, v, mask, kernel)
+        mask = mask.dense(q.device)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # (1, heads, n_q, d)
         k.unsqueeze(0),

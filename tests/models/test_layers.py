@@ -1,0 +1,70 @@
+"""Attention under the drafter's training mask: dense SDPA vs the varlen (flash-attn) layout.
+
+On the CPU the varlen layout is checked with a reference kernel that has flash-attn's varlen
+signature (per-sequence SDPA); the GPU test runs the real flash-attn kernel when installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adaflash.models.layers import BlockMask, attend, block_attend_varlen
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False):
+    """flash_attn_varlen_func's contract in plain PyTorch: q (Σq, h, d), k/v (Σk, kv_h, d)."""
+    assert not causal
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)[None]  # (1, h, n_q, d)
+        ki = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1)[None]
+        vi = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1)[None]
+        assert qi.shape[2] <= max_q and ki.shape[2] <= max_k
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, enable_gqa=True)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def tensors(anchors: list[int], bs: int, n_ctx: int, heads: int = 4, kv: int = 2, d: int = 8):
+    g = torch.Generator().manual_seed(0)
+    nq = len(anchors) * bs
+    q = torch.randn(nq, heads, d, generator=g)
+    k = torch.randn(kv, n_ctx + nq, d, generator=g)
+    v = torch.randn(kv, n_ctx + nq, d, generator=g)
+    return q, k, v, BlockMask(torch.tensor(anchors), bs, n_ctx)
+
+
+def test_varlen_layout_equals_the_dense_block_mask():
+    q, k, v, m = tensors([1, 5, 9, 12], bs=4, n_ctx=16)
+    dense = attend(q, k, v, m.dense())
+    packed = block_attend_varlen(q, k, v, m, reference_varlen)
+    assert torch.allclose(dense, packed, atol=1e-6)
+    # and it is not trivially so: a wrong layout (blocks seeing all context) differs
+    wrong = BlockMask(torch.full((4,), 16), 4, 16)
+    assert not torch.allclose(dense, block_attend_varlen(q, k, v, wrong, reference_varlen))
+
+
+def test_block_mask_on_cpu_falls_back_to_sdpa_with_the_dense_mask():
+    q, k, v, m = tensors([2, 7], bs=3, n_ctx=10)
+    assert torch.equal(attend(q, k, v, m), attend(q, k, v, m.dense()))
+
+
+def test_key_index_orders_context_then_own_block():
+    m = BlockMask(torch.tensor([2, 3]), 2, 5)
+    assert m.key_index().tolist() == [0, 1, 5, 6, 0, 1, 2, 7, 8]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
+    reason="needs CUDA and flash-attn",
+)
+def test_flash_attn_matches_sdpa_on_gpu():
+    q, k, v, m = tensors([3, 40, 77, 100], bs=16, n_ctx=128, heads=8, kv=2, d=64)
+    q, k, v = (t.cuda().bfloat16() for t in (q, k, v))
+    flash = attend(q, k, v, m)  # goes to flash-attn
+    dense = attend(q.float(), k.float(), v.float(), m.dense("cuda"))
+    assert torch.allclose(flash.float(), dense, atol=2e-2)
