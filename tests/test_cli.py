@@ -73,3 +73,34 @@ def test_generate_reports_bad_folder_clearly(tmp_path):
     out = run_cli("generate", "--target", str(tmp_path), "hello")
     assert out.returncode == 2
     assert "config.json" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_regenerate_writes_trajectories_and_resumes(folders, tmp_path):
+    from adaflash.workloads import load_prompts, read_trajectories
+
+    target_dir, drafter_dir = folders
+    out = tmp_path / "chat_eval.jsonl"
+    common = ["--domain", "chat", "--split", "eval", "--out", str(out), "--target"]
+    common += [str(target_dir), "--max-new-tokens", "6", "--dtype", "float32", "--batch", "2"]
+    first = run_cli("regenerate", *common, "--limit", "3")
+    assert first.returncode == 0, first.stderr
+    before = out.read_text().splitlines()
+    assert len(before) == 3
+    # resumed with a drafter: the 3 answered prompts are kept, 2 more are appended, and greedy
+    # speculation gives the same answers plain decoding would
+    second = run_cli("regenerate", *common, "--limit", "5", "--drafter", str(drafter_dir))
+    assert second.returncode == 0, second.stderr
+    after = out.read_text().splitlines()
+    assert after[:3] == before and len(after) == 5
+    trajs = read_trajectories(out)
+    assert {t.id for t in trajs} == {p.id for p in load_prompts("chat", "eval", 5)}
+    assert all(t.domain == "chat" and 0 < len(t.response_ids) <= 6 for t in trajs)
+    third = run_cli("regenerate", *common, "--limit", "5")
+    assert third.returncode == 0 and "already answered" in third.stdout
+    assert out.read_text().splitlines() == after
+    plain = tmp_path / "plain.jsonl"
+    common[common.index(str(out))] = str(plain)
+    assert run_cli("regenerate", *common, "--limit", "5").returncode == 0
+    assert {t.id: t.response_ids for t in read_trajectories(plain)} == {
+        t.id: t.response_ids for t in trajs
+    }

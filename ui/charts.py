@@ -81,6 +81,7 @@ def throughput(
         align="edge",
     )
     ax.set_xlabel("minutes ago")
+    ax.set_xlim(right=0)  # the current bucket is still filling
     _markers(ax, versions, now)
     return fig
 
