@@ -241,3 +241,82 @@ def test_sampling_and_statistics_translation():
     }
     assert spec_totals({"spec_verify_ct": 2}, 10, 16) == (2, 30, 8)
     assert spec_totals({}, 5, 16) == (5, 0, 0)  # no speculation reported: one token per round
+
+
+def test_the_service_serves_through_the_sglang_backend(tmp_path, monkeypatch):
+    """The whole app on ``--backend sglang`` with the stand-in client: OpenAI and SGLang APIs,
+    admin refusals, metrics, trajectories in the buffer and a hot swap from the registry."""
+    from fastapi.testclient import TestClient
+
+    import app.sglang_backend
+    import app.sglang_engine
+    from adaflash.models.drafter import load_drafter
+    from app.api import create_app
+    from app.service import ServeConfig, Service
+    from db.buffer import count_unconsumed
+    from tests.tiny import build_serving_folders
+
+    target_dir, drafter_dir = build_serving_folders(tmp_path)
+    fake = FakeSGLang(list(range(40, 52)), per_round=4)
+    made: list[dict[str, Any]] = []
+
+    def embedded(**kwargs: Any) -> FakeSGLang:
+        made.append(kwargs)
+        return fake
+
+    monkeypatch.setattr(app.sglang_backend, "require_sglang", lambda: None)
+    monkeypatch.setattr(app.sglang_engine, "EmbeddedSGLang", embedded)
+    cfg = ServeConfig(
+        backend="sglang",
+        target=str(target_dir),
+        drafter=str(drafter_dir),
+        database_url=f"sqlite:///{tmp_path / 'buffer.db'}",
+        weights_dir=str(tmp_path / "weights"),
+        trainer=False,
+        admin_token="sglang-admin-token",
+        dtype="float32",
+    )
+    service = Service(cfg)
+    assert isinstance(service.engine, SGLangBackend) and service.runner is service.engine
+    service.start()
+    try:
+        (args,) = made
+        assert args["speculative_algorithm"] == "DFLASH"
+        assert args["speculative_draft_model_path"] == str(service.registry.get("v0000").path)
+        api = TestClient(create_app(service, ui=False))
+        chat = api.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12},
+        ).json()
+        assert chat["choices"][0]["message"]["content"] == service.tokenizer.decode(
+            list(range(40, 52))
+        )
+        assert chat["usage"]["completion_tokens"] == 12
+        gen = api.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 12}})
+        meta = gen.json()["meta_info"]
+        assert meta["spec_verify_ct"] == 3 and meta["spec_accept_length"] == pytest.approx(4.0)
+        h = {"Authorization": "Bearer sglang-admin-token"}
+        r = api.post("/admin/config", headers=h, json={"policy": "head"})
+        assert r.status_code == 400 and "--backend adaflash" in r.json()["error"]["message"]
+        assert "adaflash_rounds_total 6.0" in api.get("/metrics").text
+        # a new version published by a trainer is swapped into SGLang's draft model
+        retrained = load_drafter(drafter_dir)
+        with torch.no_grad():
+            retrained.fc.weight.add_(0.01)
+        new = service.registry.publish(
+            retrained,
+            parent="v0000",
+            loss="opd",
+            samples=2,
+            data=(None, None),
+            metrics={},
+        )
+        service.registry.activate(new.id)
+        assert service.watcher.check() == new.id
+        assert service.engine.version == new.id and len(fake.updates) == 1
+        assert torch.allclose(fake.update_values[0], retrained.fc.weight.bfloat16().float())
+        assert api.get("/admin/versions", headers=h).json()["serving"] == new.id
+    finally:
+        service.stop()
+    assert count_unconsumed(service.db) == 2  # both answers are trajectories for the trainer
+    assert fake.closed
