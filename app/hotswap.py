@@ -42,6 +42,7 @@ class VersionWatcher:
         self.last_error: str | None = None
         self.refused: set[str] = set()
         self.swapped: list[str] = []
+        self._checking = threading.Lock()  # the poll thread and admin actions may both check
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -58,6 +59,10 @@ class VersionWatcher:
 
     def check(self) -> str | None:
         """Swap in the active version if it is new; returns the version swapped to."""
+        with self._checking:
+            return self._check()
+
+    def _check(self) -> str | None:
         active = self.registry.active()
         if active is None or active.id == self.engine.version or active.id in self.refused:
             return None

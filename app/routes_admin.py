@@ -3,6 +3,7 @@ change γ / policy live. Without a configured token they are disabled, not open.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from dataclasses import asdict
 from typing import Any
@@ -90,7 +91,7 @@ def router(service: Service) -> APIRouter:
             v = service.registry.activate(body.version, reason=body.reason)
         except VersionError as exc:
             raise ApiError(409, str(exc), "conflict") from exc
-        service.watcher.check()
+        await asyncio.to_thread(service.watcher.check)  # a swap may take a while (SGLang)
         return {"active": v.id, "serving": service.engine.version}
 
     @r.post("/rollback")
@@ -99,7 +100,7 @@ def router(service: Service) -> APIRouter:
             v = service.registry.rollback(body.version)
         except VersionError as exc:
             raise ApiError(409, str(exc), "conflict") from exc
-        service.watcher.check()
+        await asyncio.to_thread(service.watcher.check)  # a swap may take a while (SGLang)
         return {"active": v.id}
 
     @r.post("/config")

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from adaflash.config import DrafterConfig, SamplingParams, TargetConfig
-from adaflash.engine.detokenize import TextStreamer
+from adaflash.engine.detokenize import TextStreamer, find_stop
 from adaflash.engine.engine import EngineStats
 from adaflash.engine.records import NullSink, RecordSink, RequestRecord
 from adaflash.engine.runner import StreamDelta
@@ -85,26 +85,34 @@ def sglang_sampling(p: SamplingParams) -> dict[str, Any]:
     return sp
 
 
-def finish_type(meta: dict[str, Any]) -> str | None:
-    """SGLang's ``meta_info['finish_reason']`` ({"type": "stop"|"length"|"abort", …} or None)."""
+def finish_type(meta: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(finish reason, error) from SGLang's ``meta_info['finish_reason']`` ({"type": "stop" |
+    "length" | "abort", "message": …} or None). An abort SGLang decided on is an error."""
     fin = meta.get("finish_reason")
     if fin is None:
-        return None
-    return str(fin.get("type", "stop")) if isinstance(fin, dict) else str(fin)
+        return None, None
+    kind = str(fin.get("type", "stop")) if isinstance(fin, dict) else str(fin)
+    if kind == "abort":
+        message = fin.get("message") if isinstance(fin, dict) else None
+        return "error", f"SGLang aborted the request: {message or 'no reason given'}"
+    return kind, None
 
 
 def spec_totals(meta: dict[str, Any], n_tokens: int, block_size: int) -> tuple[int, int, int]:
     """(rounds, verified drafts, accepted drafts) of one request from SGLang's ``meta_info``.
 
-    DFLASH verifies the whole block every round, so verified = rounds · (block_size − 1); each
-    round emits accepted + 1 tokens, so accepted = tokens − rounds. Without ``spec_verify_ct``
-    (speculation off) every token is its own round and nothing was verified.
+    In AdaFlash's accounting every output token belongs to a round (τ = tokens ÷ rounds). SGLang
+    makes the first token in prefill, then counts ``spec_verify_ct`` verify rounds; so the
+    prefill is a round of its own that verified nothing, and every DFLASH round verified the
+    whole block (block_size − 1 drafts). accepted = tokens − rounds. Without ``spec_verify_ct``
+    (speculation off) every token is its own round.
     """
     reported = int(meta.get("spec_verify_ct") or 0)
-    if not reported:
+    if not reported or n_tokens == 0:
         return n_tokens, 0, 0
-    rounds = min(reported, n_tokens)
-    return rounds, rounds * (block_size - 1), n_tokens - rounds
+    rounds = min(reported + 1, n_tokens)
+    verified = (rounds - 1) * (block_size - 1)
+    return rounds, verified, min(n_tokens - rounds, verified)
 
 
 def draft_tensors(drafter: DFlashDrafter) -> NamedTensors:
@@ -120,6 +128,14 @@ def draft_tensors(drafter: DFlashDrafter) -> NamedTensors:
 class _Flight:
     started: float
     future: Future[None] | None = None
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """The pump's last word when SGLang's stream stopped without a finish reason."""
+
+    reason: str
+    error: str | None = None
 
 
 class SGLangBackend:
@@ -139,8 +155,10 @@ class SGLangBackend:
         decode: Callable[[list[int]], str] | None = None,
         sink: RecordSink | None = None,
         max_context: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
         swap_timeout_s: float = 300.0,
         flush_retries: int = 60,
+        chunk_timeout_s: float = 300.0,
     ) -> None:
         self.make_client = make_client
         self.target_cfg, self.drafter_cfg = target_cfg, drafter_cfg
@@ -150,7 +168,9 @@ class SGLangBackend:
         self.drafter: DrafterConfig | None = drafter_cfg  # truthy: speculation is on
         self.decode = decode
         self.sink = sink or NullSink()
+        self.eos = tuple(eos_token_ids) or tuple(target_cfg.eos_token_ids)
         self.swap_timeout_s, self.flush_retries = swap_timeout_s, flush_retries
+        self.chunk_timeout_s = chunk_timeout_s  # no chunk for this long: SGLang is gone
         self.counters = SpecCounters(self.block_size)
         self.stats = EngineStats()
         self.running: dict[str, _Flight] = {}
@@ -161,6 +181,7 @@ class SGLangBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._client: SGLangClient | None = None
+        self._swap: Future[Any] | None = None  # the weight update in flight
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -207,12 +228,16 @@ class SGLangBackend:
         deadline = time.monotonic() + 10.0
         while self.running and time.monotonic() < deadline:
             time.sleep(0.02)
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client.shutdown()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._thread = None
+        if self._swap is not None:
+            self._swap.cancel()
+        with self._lock:  # no swap starts or runs past this point
+            if self._client is not None:
+                with contextlib.suppress(Exception):
+                    self._client.shutdown()
+            loop, self._loop = self._loop, None
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join()
+            self._thread = None
 
     @property
     def alive(self) -> bool:
@@ -253,15 +278,18 @@ class SGLangBackend:
             )
         named = draft_tensors(drafter)
         with self._lock:
+            if version == self.version:
+                return  # the watcher and an admin action may ask for the same version
             try:
                 self._call(self._replace(named), self.swap_timeout_s)
             except Exception as exc:
-                log.error("SGLang draft update failed (%s); restoring %s", exc, self.version)
+                reason = str(exc) or type(exc).__name__
+                log.error("SGLang draft update failed (%s); restoring %s", reason, self.version)
                 try:
                     self._call(self._replace(self._weights), self.swap_timeout_s)
                 except Exception:
                     log.exception("could not restore the previous draft weights")
-                raise ValueError(f"SGLang refused the draft weights: {exc}") from exc
+                raise ValueError(f"SGLang refused the draft weights: {reason}") from exc
             self._weights, self.version = named, version
             self.stats.swaps += 1
 
@@ -275,10 +303,18 @@ class SGLangBackend:
         log.warning("SGLang did not confirm the cache flush after the draft update")
 
     def _call(self, coro: Any, timeout: float) -> Any:
+        """Run a weight-update coroutine on the backend loop; cancelled when it times out."""
         if self._loop is None:
             coro.close()
-            raise RuntimeError("the SGLang backend is not started")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+            raise RuntimeError("the SGLang backend is not running")
+        self._swap = fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError as exc:
+            fut.cancel()
+            raise TimeoutError(f"no answer from SGLang within {timeout:g} s") from exc
+        finally:
+            self._swap = None
 
     # -- streaming ---------------------------------------------------------------------------
     async def stream(
@@ -289,80 +325,131 @@ class SGLangBackend:
         domain: str | None = None,
         request_id: str | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
-        """Yield text deltas as SGLang commits tokens. Raises ValueError for invalid requests."""
+        """Yield text deltas as SGLang commits tokens. Raises ValueError for invalid requests.
+
+        Stop rules are the embedded engine's: EOS and stop token ids end the output without
+        being part of it; a stop string ends it after the token that completes it (the text is
+        cut before the stop string); SGLang's request is aborted when the stop is ours.
+        """
         params = params or SamplingParams()
+        self._check(prompt_ids, params, request_id)
+        assert self._loop is not None
+        rid = request_id or uuid.uuid4().hex
+        caller = asyncio.get_running_loop()
+        chunks: asyncio.Queue[dict[str, Any] | _Ended] = asyncio.Queue()
+
+        def put(item: dict[str, Any] | _Ended) -> None:
+            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
+                caller.call_soon_threadsafe(chunks.put_nowait, item)
+
+        sampling = sglang_sampling(params)
+        if not params.ignore_eos:
+            sampling["stop_token_ids"] = sorted({*sampling.get("stop_token_ids", []), *self.eos})
+        flight = _Flight(time.time())
+        flight.future = asyncio.run_coroutine_threadsafe(
+            self._pump(rid, list(prompt_ids), sampling, put), self._loop
+        )
+        self.running[rid] = flight
+        streamer = TextStreamer(self.decode, params.stop) if self.decode else None
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
+        output: list[int] = []  # what the caller gets (stop tokens removed)
+        seen = 0  # tokens of SGLang's cumulative output already looked at
+        reason: str | None = None
+        error: str | None = None
+        try:
+            while reason is None:
+                try:
+                    item = await asyncio.wait_for(chunks.get(), self.chunk_timeout_s)
+                except TimeoutError:
+                    item = _Ended("error", f"no output from SGLang for {self.chunk_timeout_s} s")
+                meta: dict[str, Any] = {}
+                new: list[int] = []
+                if isinstance(item, _Ended):
+                    reason, error = item.reason, item.error
+                else:
+                    ids = list(item.get("output_ids") or [])
+                    meta = item.get("meta_info") or {}
+                    reason, error = finish_type(meta)
+                    for tok in ids[seen:]:
+                        if tok in stops:
+                            reason = "stop"
+                            break
+                        new.append(tok)
+                        text_so_far = self.decode_output([*output, *new]) if params.stop else ""
+                        if params.stop and find_stop(text_so_far, params.stop) is not None:
+                            reason = "stop"
+                            break
+                        if len(output) + len(new) >= params.max_new_tokens:
+                            reason = reason or "length"
+                            break
+                    seen = len(ids)
+                output += new
+                text = streamer.push(new, final=reason is not None) if streamer else ""
+                record = None
+                if reason is not None:
+                    record = self._record(rid, prompt_ids, output, params, domain, meta, reason)
+                yield StreamDelta(
+                    rid,
+                    text,
+                    tuple(new),
+                    (UNKNOWN,) * len(new),
+                    reason is not None,
+                    reason,
+                    error,
+                    record,
+                )
+        finally:
+            if reason is None:  # the caller went away: abort, and record it like the engine
+                self._record(rid, prompt_ids, output, params, domain, {}, "abort")
+            self.running.pop(rid, None)
+            if flight.future is not None and not flight.future.done():
+                flight.future.cancel()  # abort in SGLang (our stop, a disconnect, shutdown)
+
+    def decode_output(self, ids: list[int]) -> str:
+        return self.decode(ids) if self.decode else ""
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams, rid: str | None) -> None:
+        """The embedded engine's request checks, before anything reaches SGLang."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        vocab = self.target_cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_ids) + params.max_new_tokens > self.max_context:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max tokens ({params.max_new_tokens}) "
                 f"exceeds the context window of {self.max_context} tokens"
             )
+        if params.stop and self.decode is None:
+            raise ValueError("stop strings need a tokenizer, and this backend has none")
+        if rid is not None and rid in self.running:
+            raise ValueError(f"request id {rid!r} is already running")
         if self._loop is None or not self.alive:
             raise RuntimeError("the SGLang backend is not running")
-        rid = request_id or uuid.uuid4().hex
-        caller = asyncio.get_running_loop()
-        chunks: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
-
-        def put(item: dict[str, Any] | BaseException) -> None:
-            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
-                caller.call_soon_threadsafe(chunks.put_nowait, item)
-
-        flight = _Flight(time.time())
-        self.running[rid] = flight
-        flight.future = asyncio.run_coroutine_threadsafe(
-            self._pump(rid, list(prompt_ids), sglang_sampling(params), put), self._loop
-        )
-        streamer = TextStreamer(self.decode, params.stop) if self.decode else None
-        output: list[int] = []
-        finished = False
-        try:
-            while not finished:
-                item = await chunks.get()
-                if isinstance(item, BaseException):
-                    self.step_errors += 1
-                    finished = True
-                    yield StreamDelta(rid, "", (), (), True, "error", f"SGLang: {item}", None)
-                    return
-                ids = list(item.get("output_ids") or [])
-                new = ids[len(output) :]
-                output = ids
-                meta = item.get("meta_info") or {}
-                reason = finish_type(meta)
-                text = streamer.push(new, final=reason is not None) if streamer else ""
-                if streamer is not None and streamer.stopped and reason is None:
-                    reason = "stop"  # our stop string: SGLang's request is aborted below
-                finished = reason is not None
-                record = None
-                if reason is not None:
-                    record = self._record(rid, prompt_ids, output, params, domain, meta, reason)
-                yield StreamDelta(
-                    rid, text, tuple(new), (UNKNOWN,) * len(new), finished, reason, None, record
-                )
-        finally:
-            self.running.pop(rid, None)
-            if flight.future is not None and not flight.future.done():
-                flight.future.cancel()  # disconnect, stop string or shutdown: abort in SGLang
 
     async def _pump(
         self,
         rid: str,
         prompt_ids: list[int],
         sampling: dict[str, Any],
-        put: Callable[[dict[str, Any] | BaseException], None],
+        put: Callable[[dict[str, Any] | _Ended], None],
     ) -> None:
-        """On the backend loop: forward SGLang's chunks; abort the request when cancelled."""
+        """On the backend loop: forward SGLang's chunks; always end with a terminal marker (the
+        consumer ignores it once a chunk carried a finish reason); abort when cancelled."""
         assert self._client is not None
         try:
             async for chunk in self._client.generate(prompt_ids, sampling, rid):
                 put(chunk)
+            put(_Ended("abort"))  # the stream ended without a finish reason
         except asyncio.CancelledError:
+            put(_Ended("abort"))
             with contextlib.suppress(Exception):
                 await self._client.abort(rid)
             raise
         except Exception as exc:
             log.exception("SGLang request %s failed", rid)
-            put(exc)
+            self.step_errors += 1
+            put(_Ended("error", f"SGLang: {exc}"))
 
     def _record(
         self,
@@ -377,11 +464,15 @@ class SGLangBackend:
         rounds, verified, accepted = spec_totals(meta, len(output), self.block_size)
         now = time.time()
         flight = self.running.get(rid)
+        text = self.decode_output(output) if self.decode else None
+        if text is not None and params.stop:
+            cut = find_stop(text, params.stop)
+            text = text if cut is None else text[:cut]
         rec = RequestRecord(
             request_id=rid,
             prompt_ids=tuple(prompt_ids),
             output_ids=tuple(output),
-            output_text=self.decode(output) if self.decode else None,
+            output_text=text,
             finish_reason=reason,
             drafter_version=self.version,
             domain=domain,
@@ -394,13 +485,12 @@ class SGLangBackend:
             meta={"backend": "sglang"},
         )
         self.counters = self.counters + SpecCounters.from_totals(
-            self.block_size, rounds, verified, accepted
+            self.block_size, rounds, verified, accepted, drafted=verified
         )
         self.stats.requests_finished += 1
         self.stats.prompt_tokens += len(prompt_ids)
         self.stats.output_tokens += len(output)
-        if reason != "abort":
-            self.sink.offer(rec)
+        self.sink.offer(rec)  # aborted and failed requests are not trajectories (db/buffer.py)
         return rec
 
 
@@ -438,19 +528,21 @@ class EmbeddedSGLang:
         from sglang.srt.utils import MultiprocessingSerializer
 
         tm = self.engine.tokenizer_manager
-        await tm.begin_weight_update(BeginWeightUpdateReqInput(selector="draft"), None)
+        _raise_unless_ok(
+            await tm.begin_weight_update(BeginWeightUpdateReqInput(selector="draft"), None)
+        )
         try:
             payload = [MultiprocessingSerializer.serialize(named) for _ in range(self.tp_size)]
-            ok, message = await tm.update_weights_from_tensor(
-                UpdateWeightsFromTensorReqInput(
-                    serialized_named_tensors=payload, flush_cache=False, selector="draft"
-                ),
-                None,
+            _raise_unless_ok(
+                await tm.update_weights_from_tensor(
+                    UpdateWeightsFromTensorReqInput(
+                        serialized_named_tensors=payload, flush_cache=False, selector="draft"
+                    ),
+                    None,
+                )
             )
         finally:
-            await tm.end_weight_update(EndWeightUpdateReqInput(), None)
-        if not ok:
-            raise RuntimeError(message)
+            _raise_unless_ok(await tm.end_weight_update(EndWeightUpdateReqInput(), None))
 
     async def flush_cache(self) -> bool:
         out = await self.engine.tokenizer_manager.flush_cache()
@@ -458,6 +550,16 @@ class EmbeddedSGLang:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _raise_unless_ok(result: Any) -> None:
+    """SGLang's control calls answer (success, message) or an object with ``success``."""
+    if isinstance(result, tuple) and result:
+        ok, message = bool(result[0]), result[1] if len(result) > 1 else ""
+    else:
+        ok, message = bool(getattr(result, "success", True)), getattr(result, "message", "")
+    if not ok:
+        raise RuntimeError(message or "SGLang reported a failure")
 
 
 def embedded_sglang_args(

@@ -99,6 +99,7 @@ class BlockMask:
     def dense(self, device: torch.device | None = None) -> torch.Tensor:
         """(Nb·k, n_ctx + Nb·k) bool, True = may attend."""
         nb, k = self.ctx_lens.numel(), self.block_size
+        device = device or self.ctx_lens.device
         q_block = torch.arange(nb, device=device).repeat_interleave(k)  # (Nb·k,)
         lens = self.ctx_lens.to(device)
         ctx_ok = torch.arange(self.n_ctx, device=device)[None, :] < lens[q_block][:, None]
@@ -144,6 +145,8 @@ def block_attend_varlen(
     q (Nb·k, heads, d); k, v (kv_heads, n_ctx + Nb·k, d). Returns (Nb·k, heads·d).
     """
     nb, bs = mask.ctx_lens.numel(), mask.block_size
+    assert q.shape[0] == nb * bs and k.shape[1] == mask.n_ctx + nb * bs, "mask/tensor mismatch"
+    assert int(mask.ctx_lens.max()) <= mask.n_ctx
     idx = mask.key_index(q.device)  # (Σ (p_b + k),)
     keys = k[:, idx].transpose(0, 1).contiguous()  # (Σ, kv_heads, d)
     values = v[:, idx].transpose(0, 1).contiguous()
@@ -171,7 +174,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> tor
     bf16 tensor goes to flash-attn when it is installed.
     """
     if isinstance(mask, BlockMask):
-        kernel = flash_varlen_kernel() if q.is_cuda and q.dtype != torch.float32 else None
+        half = q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+        kernel = flash_varlen_kernel() if q.is_cuda and half else None
         if kernel is not None:
             return block_attend_varlen(q, k, v, mask, kernel)
         mask = mask.dense(q.device)

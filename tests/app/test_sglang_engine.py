@@ -9,6 +9,8 @@ policies it refuses. What is not: a real ``sglang.Engine`` (``EmbeddedSGLang``),
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +20,13 @@ import torch
 from adaflash.config import DrafterConfig, SamplingParams, TargetConfig
 from adaflash.engine.records import MemorySink, RequestRecord
 from adaflash.models.drafter import DFlashDrafter
-from app.sglang_engine import SGLangBackend, draft_tensors, sglang_sampling, spec_totals
+from app.sglang_engine import (
+    SGLangBackend,
+    draft_tensors,
+    finish_type,
+    sglang_sampling,
+    spec_totals,
+)
 
 TARGET = TargetConfig("qwen3", 128, 64, 96, 8, 4, 2, 16)
 
@@ -33,7 +41,8 @@ def decode(ids: list[int]) -> str:
 
 
 class FakeSGLang:
-    """Streams ``output`` in rounds of ``per_round`` tokens, cumulative like SGLang does."""
+    """SGLang's streaming contract: the first token from prefill, then verify rounds of
+    ``per_round`` tokens; cumulative ``output_ids``; ``spec_verify_ct`` counts verify rounds."""
 
     def __init__(self, output: list[int], per_round: int = 3, delay: float = 0.0) -> None:
         self.output, self.per_round, self.delay = output, per_round, delay
@@ -41,8 +50,10 @@ class FakeSGLang:
         self.updates: list[list[str]] = []
         self.update_values: list[torch.Tensor] = []
         self.fail_updates = 0
+        self.update_delay = 0.0
         self.flush_answers: list[bool] = []
         self.fail_generate = False
+        self.finish: dict[str, Any] | None = {"type": "length"}  # None: end without a reason
         self.closed = False
         self.sampling: list[dict[str, Any]] = []
 
@@ -53,14 +64,14 @@ class FakeSGLang:
         if self.fail_generate:
             raise RuntimeError("scheduler died")
         out = self.output[: sampling_params["max_new_tokens"]]
-        for rounds, i in enumerate(range(0, len(out), self.per_round), start=1):
+        ends = [1, *range(1 + self.per_round, len(out), self.per_round), len(out)]
+        for ct, end in enumerate(ends):
             await asyncio.sleep(self.delay)
-            done = i + self.per_round >= len(out)
             yield {
-                "output_ids": out[: i + self.per_round],
+                "output_ids": out[:end],
                 "meta_info": {
-                    "spec_verify_ct": rounds,
-                    "finish_reason": {"type": "length"} if done else None,
+                    "spec_verify_ct": ct,
+                    "finish_reason": self.finish if end == len(out) else None,
                 },
             }
 
@@ -70,6 +81,7 @@ class FakeSGLang:
     async def update_draft(self, named: list[tuple[str, torch.Tensor]]) -> None:
         self.updates.append([k for k, _ in named])
         self.update_values.append(dict(named)["fc.weight"].clone())
+        await asyncio.sleep(self.update_delay)
         if self.fail_updates:
             self.fail_updates -= 1
             raise RuntimeError("CUDA out of memory")
@@ -81,12 +93,12 @@ class FakeSGLang:
         self.closed = True
 
 
-@pytest.fixture
-def backend_and_fake():
-    fake = FakeSGLang(list(range(1, 13)))
+OUTPUT = list(range(10, 23))  # 13 tokens: 1 from prefill + 4 verify rounds of 3
+
+
+def make_backend(fake: FakeSGLang, sink: MemorySink | None = None, **kw: Any) -> SGLangBackend:
     d = drafter()
-    sink = MemorySink()
-    b = SGLangBackend(
+    return SGLangBackend(
         lambda: fake,
         target_cfg=TARGET,
         drafter_cfg=d.cfg,
@@ -94,8 +106,17 @@ def backend_and_fake():
         version="v0000",
         decode=decode,
         sink=sink,
+        eos_token_ids=(2,),
         flush_retries=5,
+        **kw,
     )
+
+
+@pytest.fixture
+def backend_and_fake():
+    fake = FakeSGLang(list(OUTPUT))
+    sink = MemorySink()
+    b = make_backend(fake, sink)
     b.start()
     yield b, fake, sink
     b.stop(drain_timeout_s=1)
@@ -111,55 +132,102 @@ async def collect(b: SGLangBackend, params: SamplingParams, stop_after: int | No
     return deltas
 
 
+def wait_for(cond: Any) -> None:
+    for _ in range(100):
+        if cond():
+            return
+        time.sleep(0.02)
+
+
 def test_stream_reassembles_sglang_chunks_and_records_the_trajectory(backend_and_fake):
-    b, _, sink = backend_and_fake
-    deltas = asyncio.run(collect(b, SamplingParams(max_new_tokens=12)))
-    assert [t for d in deltas for t in d.token_ids] == list(range(1, 13))
-    assert "".join(d.text for d in deltas) == decode(list(range(1, 13)))
+    b, fake, sink = backend_and_fake
+    deltas = asyncio.run(collect(b, SamplingParams(max_new_tokens=13)))
+    assert [t for d in deltas for t in d.token_ids] == OUTPUT
+    assert "".join(d.text for d in deltas) == decode(OUTPUT)
     assert deltas[-1].finished and deltas[-1].finish_reason == "length"
     assert all(not d.finished for d in deltas[:-1])
     assert {k for d in deltas for k in d.kinds} == {"unknown"}
     rec = deltas[-1].record
     assert isinstance(rec, RequestRecord) and sink.records == [rec]
-    assert rec.output_ids == tuple(range(1, 13)) and rec.domain == "math"
-    # 4 rounds of 3 tokens: τ = 3, i.e. 2 accepted drafts per round; DFLASH verifies 15 per round
-    assert (rec.rounds, rec.accepted, rec.verified) == (4, 8, 4 * 15)
-    assert b.counters.accept_len == pytest.approx(3.0)
-    assert b.stats.output_tokens == 12 and not b.running
+    assert rec.output_ids == tuple(OUTPUT) and rec.domain == "math"
+    # prefill (1 token, nothing verified) + 4 DFLASH rounds (15 drafts verified, 2 accepted each)
+    assert (rec.rounds, rec.accepted, rec.verified) == (5, 8, 4 * 15)
+    assert b.counters.accept_len == pytest.approx(13 / 5)
+    assert b.stats.output_tokens == 13 and not b.running
+    assert fake.sampling[0]["stop_token_ids"] == [2]  # EOS of the target/tokenizer goes along
 
 
-def test_stop_string_ends_the_stream_and_aborts_the_sglang_request(backend_and_fake):
-    b, fake, _ = backend_and_fake
+def test_stop_string_ends_the_stream_like_the_embedded_engine(backend_and_fake):
+    b, fake, sink = backend_and_fake
     fake.delay = 0.05
-    stop = decode([5, 6])  # tokens 5, 6 arrive in the second chunk
-    deltas = asyncio.run(collect(b, SamplingParams(max_new_tokens=12, stop=(stop,))))
+    stop = decode([15, 16])  # both arrive in the second verify round (tokens 14, 15, 16)
+    deltas = asyncio.run(collect(b, SamplingParams(max_new_tokens=13, stop=(stop,))))
     assert deltas[-1].finish_reason == "stop"
-    assert "".join(d.text for d in deltas) == decode([1, 2, 3, 4])
-    for _ in range(50):
-        if fake.aborted:
-            break
-        asyncio.run(asyncio.sleep(0.02))
-    assert fake.aborted == ["r1"]
+    assert "".join(d.text for d in deltas) == decode([10, 11, 12, 13, 14])
+    rec = deltas[-1].record
+    assert rec is not None and rec.output_ids == tuple(range(10, 17))  # up to the stop's end
+    assert rec.output_text == decode([10, 11, 12, 13, 14]) and sink.records == [rec]
+    wait_for(lambda: fake.aborted)
+    assert fake.aborted == ["r1"]  # SGLang is told to stop
+
+
+def test_eos_ends_the_output_without_being_part_of_it(backend_and_fake):
+    b, fake, _ = backend_and_fake
+    fake.output = [10, 11, 12, 13, 2, 14]
+    deltas = asyncio.run(collect(b, SamplingParams(max_new_tokens=6)))
+    assert [t for d in deltas for t in d.token_ids] == [10, 11, 12, 13]
+    assert deltas[-1].finish_reason == "stop"
+    ignored = asyncio.run(collect(b, SamplingParams(max_new_tokens=6, ignore_eos=True)))
+    assert [t for d in ignored for t in d.token_ids] == [10, 11, 12, 13, 2, 14]
+    assert "stop_token_ids" not in fake.sampling[-1]
 
 
 def test_a_disconnected_caller_aborts_its_request(backend_and_fake):
     b, fake, sink = backend_and_fake
     fake.delay = 0.05
-    deltas = asyncio.run(collect(b, SamplingParams(max_new_tokens=12), stop_after=1))
+    deltas = asyncio.run(collect(b, SamplingParams(max_new_tokens=13), stop_after=1))
     assert len(deltas) == 1 and not deltas[0].finished
-    for _ in range(50):
-        if fake.aborted:
-            break
-        asyncio.run(asyncio.sleep(0.02))
-    assert fake.aborted == ["r1"] and sink.records == [] and not b.running
+    wait_for(lambda: fake.aborted)
+    assert fake.aborted == ["r1"] and not b.running
+    # recorded like the embedded engine records an abort (the buffer keeps no trajectory of it)
+    assert [r.finish_reason for r in sink.records] == ["abort"]
+
+
+def test_shutdown_ends_open_streams_with_abort():
+    fake = FakeSGLang(list(OUTPUT), delay=0.3)
+    b = make_backend(fake)
+    b.start()
+
+    async def run() -> list:
+        deltas = []
+        async for d in b.stream([5, 6, 7], SamplingParams(max_new_tokens=13)):
+            deltas.append(d)
+            if len(deltas) == 1:
+                threading.Thread(target=b.stop, kwargs={"drain_timeout_s": 0}).start()
+        return deltas
+
+    deltas = asyncio.run(asyncio.wait_for(run(), 10))
+    assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
+    wait_for(lambda: fake.closed)
+    assert fake.closed and not b.alive
+
+
+def test_sglang_ending_a_stream_early_or_aborting_is_reported(backend_and_fake):
+    b, fake, _ = backend_and_fake
+    fake.finish = None  # the stream just stops, short of max tokens
+    deltas = asyncio.run(collect(b, SamplingParams(max_new_tokens=20)))
+    assert deltas[-1].finish_reason == "abort"
+    fake.finish = {"type": "abort", "message": "input is longer than the context"}
+    deltas = asyncio.run(collect(b, SamplingParams(max_new_tokens=13)))
+    assert deltas[-1].finish_reason == "error" and "longer than" in (deltas[-1].error or "")
 
 
 def test_a_failing_sglang_request_ends_the_stream_with_an_error(backend_and_fake):
     b, fake, sink = backend_and_fake
     fake.fail_generate = True
-    deltas = asyncio.run(collect(b, SamplingParams(max_new_tokens=12)))
+    deltas = asyncio.run(collect(b, SamplingParams(max_new_tokens=13)))
     assert deltas[-1].finish_reason == "error" and "scheduler died" in (deltas[-1].error or "")
-    assert sink.records == [] and b.step_errors == 1
+    assert [r.finish_reason for r in sink.records] == ["error"] and b.step_errors == 1
 
 
 def test_invalid_requests_are_refused_before_reaching_sglang(backend_and_fake):
@@ -173,6 +241,8 @@ def test_invalid_requests_are_refused_before_reaching_sglang(backend_and_fake):
         asyncio.run(one([1, 2, 3], TARGET.max_position_embeddings))
     with pytest.raises(ValueError, match="empty"):
         asyncio.run(one([], 4))
+    with pytest.raises(ValueError, match=r"\[0, 128\)"):
+        asyncio.run(one([1, 128], 4))
     assert fake.sampling == []
 
 
@@ -197,6 +267,22 @@ def test_a_failed_swap_restores_the_active_weights_and_is_refused(backend_and_fa
     assert len(fake.updates) == 2 and torch.equal(fake.update_values[-1], old)  # put back
 
 
+def test_a_swap_that_times_out_is_cancelled_restored_and_refused():
+    fake = FakeSGLang(list(OUTPUT))
+    b = make_backend(fake, swap_timeout_s=0.3)
+    b.start()
+    try:
+        fake.update_delay = 1.0  # the first update hangs; the restore then hangs as well
+        with pytest.raises(ValueError, match="no answer from SGLang within"):
+            b.swap_drafter(drafter(seed=3), "v0003")
+        assert b.version == "v0000" and len(fake.updates) == 2  # update, then restore attempt
+        fake.update_delay = 0.0
+        b.swap_drafter(drafter(seed=4), "v0004")  # the backend is still usable
+        assert b.version == "v0004"
+    finally:
+        b.stop()
+
+
 def test_layout_changes_and_other_policies_are_refused(backend_and_fake):
     b, fake, _ = backend_and_fake
     with pytest.raises(ValueError, match="restart"):
@@ -215,11 +301,7 @@ def test_start_up_failure_reaches_the_caller():
 
     d = drafter()
     b = SGLangBackend(
-        boom,
-        target_cfg=TARGET,
-        drafter_cfg=d.cfg,
-        initial_weights=draft_tensors(d),
-        version="v0000",
+        boom, target_cfg=TARGET, drafter_cfg=d.cfg, initial_weights=[], version="v0000"
     )
     with pytest.raises(RuntimeError, match="KV cache"):
         b.start()
@@ -239,8 +321,11 @@ def test_sampling_and_statistics_translation():
         "stop_token_ids": [2],
         "sampling_seed": 3,
     }
-    assert spec_totals({"spec_verify_ct": 2}, 10, 16) == (2, 30, 8)
+    # prefill token + 2 verify rounds of 15 drafts: 3 rounds, 10 tokens, 7 accepted drafts
+    assert spec_totals({"spec_verify_ct": 2}, 10, 16) == (3, 30, 7)
     assert spec_totals({}, 5, 16) == (5, 0, 0)  # no speculation reported: one token per round
+    assert finish_type({"finish_reason": {"type": "length"}}) == ("length", None)
+    assert finish_type({"finish_reason": None}) == (None, None)
 
 
 def test_the_service_serves_through_the_sglang_backend(tmp_path, monkeypatch):
@@ -294,11 +379,12 @@ def test_the_service_serves_through_the_sglang_backend(tmp_path, monkeypatch):
         assert chat["usage"]["completion_tokens"] == 12
         gen = api.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 12}})
         meta = gen.json()["meta_info"]
-        assert meta["spec_verify_ct"] == 3 and meta["spec_accept_length"] == pytest.approx(4.0)
+        # prefill + 3 verify rounds (4, 4, 3 tokens): 4 rounds in AdaFlash's accounting, τ = 3
+        assert meta["spec_verify_ct"] == 4 and meta["spec_accept_length"] == pytest.approx(3.0)
         h = {"Authorization": "Bearer sglang-admin-token"}
         r = api.post("/admin/config", headers=h, json={"policy": "head"})
         assert r.status_code == 400 and "--backend adaflash" in r.json()["error"]["message"]
-        assert "adaflash_rounds_total 6.0" in api.get("/metrics").text
+        assert "adaflash_rounds_total 8.0" in api.get("/metrics").text
         # a new version published by a trainer is swapped into SGLang's draft model
         retrained = load_drafter(drafter_dir)
         with torch.no_grad():

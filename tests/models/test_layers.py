@@ -17,7 +17,8 @@ from adaflash.models.layers import BlockMask, attend, block_attend_varlen
 
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False):
     """flash_attn_varlen_func's contract in plain PyTorch: q (Σq, h, d), k/v (Σk, kv_h, d)."""
-    assert not causal
+    assert not causal and cu_q.dtype == cu_k.dtype == torch.int32
+    assert int(cu_q[-1]) == q.shape[0] and int(cu_k[-1]) == k.shape[0]
     outs = []
     for i in range(len(cu_q) - 1):
         qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)[None]  # (1, h, n_q, d)
@@ -47,9 +48,20 @@ def test_varlen_layout_equals_the_dense_block_mask():
     assert not torch.allclose(dense, block_attend_varlen(q, k, v, wrong, reference_varlen))
 
 
-def test_block_mask_on_cpu_falls_back_to_sdpa_with_the_dense_mask():
-    q, k, v, m = tensors([2, 7], bs=3, n_ctx=10)
-    assert torch.equal(attend(q, k, v, m), attend(q, k, v, m.dense()))
+def test_varlen_layout_gives_the_dense_gradients():
+    """Training backpropagates through it: gradients of q, k, v agree too."""
+    q, k, v, m = tensors([1, 4, 8], bs=4, n_ctx=12)
+    grads = []
+    for path in ("dense", "varlen"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        if path == "dense":
+            out = attend(*leaves, m.dense())
+        else:
+            out = block_attend_varlen(*leaves, m, reference_varlen)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads, strict=True):
+        assert a is not None and b is not None and torch.allclose(a, b, atol=1e-5)
 
 
 def test_key_index_orders_context_then_own_block():
