@@ -182,6 +182,7 @@ class SGLangBackend:
         self._thread: threading.Thread | None = None
         self._client: SGLangClient | None = None
         self._swap: Future[Any] | None = None  # the weight update in flight
+        self._stopping = False
 
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -228,6 +229,7 @@ class SGLangBackend:
         deadline = time.monotonic() + 10.0
         while self.running and time.monotonic() < deadline:
             time.sleep(0.02)
+        self._stopping = True  # a swap cut short now is not restored (SGLang is going away)
         if self._swap is not None:
             self._swap.cancel()
         with self._lock:  # no swap starts or runs past this point
@@ -286,7 +288,8 @@ class SGLangBackend:
                 reason = str(exc) or type(exc).__name__
                 log.error("SGLang draft update failed (%s); restoring %s", reason, self.version)
                 try:
-                    self._call(self._replace(self._weights), self.swap_timeout_s)
+                    if not self._stopping:
+                        self._call(self._replace(self._weights), self.swap_timeout_s)
                 except Exception:
                     log.exception("could not restore the previous draft weights")
                 raise ValueError(f"SGLang refused the draft weights: {reason}") from exc
