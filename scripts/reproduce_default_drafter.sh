@@ -12,4 +12,5 @@ MINUTES=${TRAIN_MINUTES:-80}
 ./dev.sh train data/trajectories/chat_train.jsonl --val data/trajectories/chat_eval.jsonl \
   --out "$OUT" --layers 3 --epochs 3 --max-minutes "$MINUTES" --anchors 24 --lr 1e-3 --bf16-autocast \
   --title "SmolLM2-135M-Instruct DFlash drafter (chat only)" --seed 0
-.venv/bin/python bench/eval_drafter.py --drafter "$OUT" --out docs/results/default_drafter_eval.json
+.venv/bin/python bench/eval_drafter.py --drafter "$OUT" --prompts 8 --max-new-tokens 64 \
+  --out docs/results/default_drafter_eval.json
