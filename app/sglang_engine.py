@@ -36,10 +36,11 @@ from typing import Any, Protocol
 import torch
 
 from adaflash.config import DrafterConfig, SamplingParams, TargetConfig
-from adaflash.engine.detokenize import TextStreamer, find_stop
+from adaflash.engine.detokenize import TextStreamer, cut_at_stop
 from adaflash.engine.engine import EngineStats
 from adaflash.engine.records import NullSink, RecordSink, RequestRecord
-from adaflash.engine.runner import StreamDelta
+from adaflash.engine.request import check_request
+from adaflash.engine.runner import StreamDelta, feeder
 from adaflash.metrics import SpecCounters
 from adaflash.models.drafter import HEAD_PREFIX, DFlashDrafter
 
@@ -338,13 +339,8 @@ class SGLangBackend:
         self._check(prompt_ids, params, request_id)
         assert self._loop is not None
         rid = request_id or uuid.uuid4().hex
-        caller = asyncio.get_running_loop()
         chunks: asyncio.Queue[dict[str, Any] | _Ended] = asyncio.Queue()
-
-        def put(item: dict[str, Any] | _Ended) -> None:
-            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
-                caller.call_soon_threadsafe(chunks.put_nowait, item)
-
+        put = feeder(chunks)
         sampling = sglang_sampling(params)
         if not params.ignore_eos:
             sampling["stop_token_ids"] = sorted({*sampling.get("stop_token_ids", []), *self.eos})
@@ -354,11 +350,11 @@ class SGLangBackend:
         )
         self.running[rid] = flight
         streamer = TextStreamer(self.decode, params.stop) if self.decode else None
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
         output: list[int] = []  # what the caller gets (stop tokens removed)
         seen = 0  # tokens of SGLang's cumulative output already looked at
         reason: str | None = None
         error: str | None = None
+        stop_text: str | None = None
         try:
             while reason is None:
                 try:
@@ -373,24 +369,19 @@ class SGLangBackend:
                     ids = list(item.get("output_ids") or [])
                     meta = item.get("meta_info") or {}
                     reason, error = finish_type(meta)
-                    for tok in ids[seen:]:
-                        if tok in stops:
-                            reason = "stop"
-                            break
-                        new.append(tok)
-                        text_so_far = self.decode_output([*output, *new]) if params.stop else ""
-                        if params.stop and find_stop(text_so_far, params.stop) is not None:
-                            reason = "stop"
-                            break
-                        if len(output) + len(new) >= params.max_new_tokens:
-                            reason = reason or "length"
-                            break
+                    n, cut, stop_text = cut_at_stop(
+                        output, ids[seen:], params, self.eos, self.decode
+                    )
+                    new = ids[seen : seen + n]
+                    reason = "stop" if cut == "stop" else (reason or cut)  # our stop wins
                     seen = len(ids)
                 output += new
                 text = streamer.push(new, final=reason is not None) if streamer else ""
                 record = None
                 if reason is not None:
-                    record = self._record(rid, prompt_ids, output, params, domain, meta, reason)
+                    record = self._record(
+                        rid, prompt_ids, output, params, domain, meta, reason, stop_text
+                    )
                 yield StreamDelta(
                     rid,
                     text,
@@ -408,23 +399,15 @@ class SGLangBackend:
             if flight.future is not None and not flight.future.done():
                 flight.future.cancel()  # abort in SGLang (our stop, a disconnect, shutdown)
 
-    def decode_output(self, ids: list[int]) -> str:
-        return self.decode(ids) if self.decode else ""
-
     def _check(self, prompt_ids: list[int], params: SamplingParams, rid: str | None) -> None:
         """The embedded engine's request checks, before anything reaches SGLang."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.target_cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_ids) + params.max_new_tokens > self.max_context:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max tokens ({params.max_new_tokens}) "
-                f"exceeds the context window of {self.max_context} tokens"
-            )
-        if params.stop and self.decode is None:
-            raise ValueError("stop strings need a tokenizer, and this backend has none")
+        check_request(
+            prompt_ids,
+            params,
+            self.target_cfg.vocab_size,
+            self.max_context,
+            self.decode is not None,
+        )
         if rid is not None and rid in self.running:
             raise ValueError(f"request id {rid!r} is already running")
         if self._loop is None or not self.alive:
@@ -463,14 +446,15 @@ class SGLangBackend:
         domain: str | None,
         meta: dict[str, Any],
         reason: str,
+        stop_text: str | None = None,
     ) -> RequestRecord:
         rounds, verified, accepted = spec_totals(meta, len(output), self.block_size)
         now = time.time()
         flight = self.running.get(rid)
-        text = self.decode_output(output) if self.decode else None
-        if text is not None and params.stop:
-            cut = find_stop(text, params.stop)
-            text = text if cut is None else text[:cut]
+        if stop_text is not None:
+            text: str | None = stop_text
+        else:
+            text = self.decode(output) if self.decode else None
         rec = RequestRecord(
             request_id=rid,
             prompt_ids=tuple(prompt_ids),

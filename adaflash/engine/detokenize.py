@@ -3,13 +3,43 @@ the streamer (to release text deltas without ever taking text back)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
+
+from adaflash.config import SamplingParams
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
     """Index in ``text`` where the earliest stop string begins (searching from ``start``)."""
     hits = [i for s in stops if (i := text.find(s, start)) >= 0]
     return min(hits) if hits else None
+
+
+def cut_at_stop(
+    output: list[int],
+    tokens: Sequence[int],
+    params: SamplingParams,
+    eos: Collection[int],
+    detokenize: Callable[[list[int]], str] | None,
+) -> tuple[int, str | None, str | None]:
+    """How many of ``tokens`` (following ``output``) a request keeps, and why it ends.
+
+    EOS (unless ignored) and stop token ids end it without being kept; a stop string ends it
+    after the token that completes it; max_new_tokens ends it. Returns (kept, finish reason or
+    None, text before the stop string or None).
+    """
+    kept: list[int] = []
+    for tok in tokens:
+        if (tok in eos and not params.ignore_eos) or tok in params.stop_token_ids:
+            return len(kept), "stop", None
+        kept.append(tok)
+        if params.stop and detokenize is not None:
+            text = detokenize([*output, *kept])
+            cut = find_stop(text, params.stop)
+            if cut is not None:
+                return len(kept), "stop", text[:cut]
+        if len(output) + len(kept) >= params.max_new_tokens:
+            return len(kept), "length", None
+    return len(kept), None, None
 
 
 def safe_prefix_len(text: str, stops: tuple[str, ...]) -> int:

@@ -25,9 +25,15 @@ import torch
 from adaflash.config import POLICIES, EngineConfig, SamplingParams
 from adaflash.decoding.acceptance import greedy_accept, sampled_accept
 from adaflash.decoding.sampling import sample, target_probs
-from adaflash.engine.detokenize import find_stop
+from adaflash.engine.detokenize import cut_at_stop
 from adaflash.engine.records import NullSink, RecordSink, RequestRecord, RoundRecord
-from adaflash.engine.request import EventCallback, FeatureBuffer, Request, TokenEvent
+from adaflash.engine.request import (
+    EventCallback,
+    FeatureBuffer,
+    Request,
+    TokenEvent,
+    check_request,
+)
 from adaflash.engine.scheduler import Admission
 from adaflash.metrics import SpecCounters
 from adaflash.models.drafter import KV, DFlashDrafter
@@ -143,18 +149,13 @@ class Engine:
     ) -> str:
         """Validate and queue a request; raises ValueError with the reason if it cannot run."""
         params = params or SamplingParams()
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.target.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_ids) + params.max_new_tokens > self.max_context:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                f"exceeds the context window of {self.max_context} tokens"
-            )
-        if params.stop and self.detokenize is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none")
+        check_request(
+            prompt_ids,
+            params,
+            self.target.cfg.vocab_size,
+            self.max_context,
+            self.detokenize is not None,
+        )
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         req = Request(rid, list(prompt_ids), params, domain, on_event, on_finish)
         self._commands.put(_Add(req))
@@ -416,25 +417,15 @@ class Engine:
 
     def _emit(self, r: Request, tokens: list[int], kinds: list[str]) -> int:
         """Append tokens until a stop condition; stream them. Returns how many were emitted."""
-        p = r.params
-        out_ids: list[int] = []
-        out_kinds: list[str] = []
-        for tok, kind in zip(tokens, kinds, strict=True):
-            if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
-                r.finish_reason = "stop"
-                break
-            r.output_ids.append(tok)
-            out_ids.append(tok)
-            out_kinds.append(kind)
-            if p.stop and self.detokenize is not None:
-                text = self.detokenize(r.output_ids)
-                cut = find_stop(text, p.stop)
-                if cut is not None:
-                    r.stop_text, r.finish_reason = text[:cut], "stop"
-                    break
-            if len(r.output_ids) >= p.max_new_tokens:
-                r.finish_reason = "length"
-                break
+        n, reason, stop_text = cut_at_stop(
+            r.output_ids, tokens, r.params, self.eos, self.detokenize
+        )
+        out_ids, out_kinds = tokens[:n], kinds[:n]
+        r.output_ids.extend(out_ids)
+        if reason is not None:
+            r.finish_reason = reason
+        if stop_text is not None:
+            r.stop_text = stop_text
         self.stats.output_tokens += len(out_ids)
         if r.on_event is not None:
             r.on_event(

@@ -106,3 +106,24 @@ class Request:
     @property
     def tokens_left(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)
+
+
+def check_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_context: int,
+    can_detokenize: bool,
+) -> None:
+    """The checks every backend runs before a request is queued; ValueError says why."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if len(prompt_ids) + params.max_new_tokens > max_context:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+            f"exceeds the context window of {max_context} tokens"
+        )
+    if params.stop and not can_detokenize:
+        raise ValueError("stop strings need a tokenizer; this engine has none")

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from adaflash.config import SamplingParams
 from adaflash.engine.detokenize import TextStreamer
@@ -22,6 +23,19 @@ from adaflash.engine.records import RequestRecord
 from adaflash.engine.request import TokenEvent
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def feeder(queue: asyncio.Queue[T]) -> Callable[[T], None]:
+    """A ``put`` that other threads may call: items reach ``queue`` on the calling coroutine's
+    loop; once that loop is gone they are dropped (RuntimeError)."""
+    loop = asyncio.get_running_loop()
+
+    def put(item: T) -> None:
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    return put
 
 
 @dataclass(frozen=True)
@@ -109,14 +123,8 @@ class EngineRunner:
     ) -> AsyncGenerator[StreamDelta, None]:
         """Yield text deltas as rounds commit tokens. Raises ValueError for invalid requests."""
         params = params or SamplingParams()
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | RequestRecord] = asyncio.Queue()
-
-        def put(item: TokenEvent | RequestRecord) -> None:
-            # RuntimeError: the caller's loop is gone; the request gets aborted below
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(events.put_nowait, item)
-
+        put = feeder(events)  # the request gets aborted below if the caller goes away
         rid = self.engine.add_request(
             prompt_ids, params, request_id=request_id, domain=domain, on_event=put, on_finish=put
         )
