@@ -150,19 +150,45 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
-    """Let the target answer workload prompts (greedy, batched); append trajectories (resumable)."""
+    """Let the target answer prompts (batched); append trajectories (resumable by id).
+
+    Prompts come from a shipped workload (``--domain``/``--split``) or any JSONL file
+    (``--prompts``). ``--temperature`` samples instead of greedy (ids get ``@T…s<seed>``);
+    ``--follow-up`` answers a second user turn after each first-turn trajectory of a file."""
     from tqdm import tqdm
 
     from adaflash.pull import resolve_target
-    from adaflash.workloads import Prompt, Trajectory, load_prompts
+    from adaflash.workloads import (
+        Prompt,
+        Trajectory,
+        follow_up,
+        load_prompts,
+        read_prompt_file,
+        read_trajectories,
+    )
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = set()
     if out.is_file():
         done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line.strip()}
-    prompts = [p for p in load_prompts(args.domain, args.split, args.limit) if p.id not in done]
-    if not prompts:
+    if args.prompts:
+        prompts = read_prompt_file(args.prompts, args.domain)
+    elif args.domain:
+        prompts = load_prompts(args.domain, args.split)
+    else:
+        raise ValueError("give --domain (a shipped workload) or --prompts FILE")
+    sampled = args.temperature > 0
+    suffix = f"@T{args.temperature:g}s{args.seed}" if sampled else ""
+    first_turns = (
+        {t.id: t for t in read_trajectories(Path(args.follow_up))} if args.follow_up else {}
+    )
+    if args.follow_up:
+        prompts = [p for p in prompts if p.id + suffix in first_turns]
+        suffix += "+fu"
+    prompts = prompts[: args.limit] if args.limit else prompts
+    todo = [p for p in prompts if p.id + suffix not in done]
+    if not todo:
         print(f"{out}: all {len(done)} prompts already answered")
         return 0
     cfg = EngineConfig(
@@ -170,22 +196,36 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         num_threads=args.threads,
         max_running_requests=args.batch,
+        max_batch_tokens=max(512, args.batch * 16),
     )
     engine, tok = build_engine(resolve_target(args.target), args.drafter, cfg)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    bar = tqdm(
-        total=len(prompts) + len(done),
-        initial=len(done),
-        desc=f"regenerate {out.name}",
-        unit="prompt",
-    )
+
+    def prompt_ids(p: Prompt) -> list[int]:
+        if not args.follow_up:
+            return encode_prompt(tok, p.prompt, chat=True)
+        first = first_turns[p.id + suffix.removesuffix("+fu")]
+        return tok.chat(
+            [
+                {"role": "user", "content": p.prompt},
+                {"role": "assistant", "content": first.response},
+                {"role": "user", "content": follow_up(first.id)},
+            ]
+        )
+
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc=out.name, unit="prompt")
     with out.open("a", encoding="utf-8") as f:
-        for p in prompts:
-            ids = encode_prompt(tok, p.prompt, chat=True)
+        for i, p in enumerate(todo):
+            ids = prompt_ids(p)
+            params = SamplingParams(
+                temperature=args.temperature,
+                top_p=args.top_p,
+                max_new_tokens=args.max_new_tokens,
+                seed=args.seed * 1_000_003 + i if sampled else None,
+            )
 
             def write(rec: RequestRecord, p: Prompt = p, ids: list[int] = ids) -> None:
                 traj = Trajectory(
-                    p.id,
+                    p.id + suffix,
                     p.domain,
                     ids,
                     list(rec.output_ids),
@@ -196,13 +236,13 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
                 f.flush()
                 bar.update(1)
 
-            engine.add_request(ids, params, request_id=p.id, domain=p.domain, on_finish=write)
+            engine.add_request(
+                ids, params, request_id=p.id + suffix, domain=p.domain, on_finish=write
+            )
         while engine.has_work:
             engine.step()
     bar.close()
-    print(
-        f"{out}: {len(prompts) + len(done)} trajectories; {engine.stats.output_tokens} new tokens"
-    )
+    print(f"{out}: {len(prompts)} trajectories; {engine.stats.output_tokens} new tokens")
     return 0
 
 
@@ -223,14 +263,23 @@ def _add_regenerate(sub: argparse._SubParsersAction) -> None:
         help="the target answers workload prompts; writes "
         "trajectories (prompt, response, domain) as JSONL",
     )
-    p.add_argument("--domain", choices=DOMAINS, required=True)
+    p.add_argument("--domain", choices=DOMAINS, default=None, help="a shipped workload")
     p.add_argument("--split", choices=SPLITS, default="train")
+    p.add_argument("--prompts", default=None, help="any JSONL file with a 'prompt' per line")
     p.add_argument("--out", required=True, help="trajectory JSONL (appended; reruns resume)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of a sampled variant")
+    p.add_argument(
+        "--follow-up",
+        default=None,
+        help="first-turn trajectory file: answer a follow-up question after each",
+    )
     p.add_argument("--target", default=None, help="model folder or name (default: smollm2)")
     p.add_argument("--drafter", default=None, help="optional drafter to speed it up")
     p.add_argument("--policy", choices=POLICIES, default=None)
     p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--batch", type=int, default=16, help="concurrent requests")
+    p.add_argument("--batch", type=int, default=32, help="concurrent requests")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None)

@@ -344,6 +344,14 @@ class DistillConfig:
     max_steps: int = -1
     max_minutes: float | None = None
     seed: int = 0
+    # learning rate: linear warmup over this fraction of the run, then cosine decay to
+    # min_lr_ratio × lr ("constant" keeps lr); the run's length is its steps or its minutes
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_fraction: float = 0.03
+    min_lr_ratio: float = 0.1
+    supervised_slots: int | None = None  # teach slots 1 … n only (None: all k−1)
+    slot_decay: float = 7.0  # w_i = exp(−(i−1)/decay) (SPEC §4)
+    top_k: int = 32  # teacher tokens kept per position (the tail mass covers the rest)
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # Lightning strategy (multi-GPU / node)
     devices: int | str = "auto"
     num_nodes: int = 1
@@ -361,3 +369,11 @@ class DistillConfig:
             raise ValueError(f"delta must be > 0, got {self.delta}")
         if self.anchors_per_seq < 1 or self.epochs < 1 or self.batch_size < 1:
             raise ValueError("anchors_per_seq, epochs and batch_size must be ≥ 1")
+        if self.lr_schedule not in ("cosine", "constant"):
+            raise ValueError(f"lr_schedule must be cosine or constant, got {self.lr_schedule!r}")
+        if not 0.0 <= self.warmup_fraction < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError("warmup_fraction must be in [0, 1) and min_lr_ratio in [0, 1]")
+        if self.supervised_slots is not None and self.supervised_slots < 1:
+            raise ValueError("supervised_slots must be ≥ 1 (or None for every slot)")
+        if self.slot_decay <= 0 or self.top_k < 1:
+            raise ValueError("slot_decay must be > 0 and top_k ≥ 1")

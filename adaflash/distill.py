@@ -1,53 +1,40 @@
 """On-policy distillation of the drafter and the length head from trajectories (SPEC §3–4).
 
-For one trajectory (prompt + the response serving produced), the target is re-run once to get,
-at every position, the drafter context features and the teacher's next-token logits. Then up to
-N anchors p are drawn among response positions; each gives a block [x_p, MASK×(k−1)] at
-positions p … p+k−1 that attends to context strictly before p and bidirectionally to itself (one
-attention mask for all blocks of the sequence). Slot i is taught by the target's distribution at
-position p+i−1 (which predicts the token at p+i). The length head learns a* = (accepted+1)/k,
-where "accepted" is computed as if the whole block had been verified against the recorded
-tokens, from DETACHED drafter states.
+The target runs once per trajectory (``teacher_cache.teach``): drafter context features at every
+position, the teacher's top-K next-token log-probs at every response position. Then up to N
+anchors p are drawn among response positions; each gives a block [x_p, MASK×(k−1)] at positions
+p … p+k−1 that attends to context strictly before p and bidirectionally to itself (one attention
+mask for all blocks of the sequence). Slot i is taught by the target's distribution at position
+p+i−1 (which predicts the token at p+i), through ``losses.opd_loss_topk`` on the drafter's draft
+vocabulary. The length head learns a* = (accepted+1)/k, where "accepted" is computed as if the
+whole block had been verified against the recorded tokens, from DETACHED drafter states.
 
 The same machinery replays a drafter against recorded tokens with no generation
-(``simulate_acceptance``): the promotion gate's evaluation.
+(``simulate_acceptance``): the promotion gate's evaluation and the learning curve.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from adaflash.losses import ALPHA, DELTA, opd_loss, osd_loss, weighted_slot_mean
+from adaflash.losses import (
+    ALPHA,
+    DELTA,
+    opd_loss_topk,
+    osd_loss_topk,
+    slot_weights,
+    weighted_slot_mean,
+)
 from adaflash.metrics import SpecCounters
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.layers import BlockMask
 from adaflash.models.length_head import acceptance_label, head_loss
-from adaflash.models.target import PackedBatch, TargetModel
-
-
-@dataclass
-class Teacher:
-    """What the target says about one sequence (no gradient)."""
-
-    tokens: torch.Tensor  # (S,) prompt + response
-    prompt_len: int
-    features: torch.Tensor  # (S, K·H) drafter context features
-    logits: torch.Tensor  # (S, V) row t predicts token t+1
-
-
-@torch.no_grad()
-def run_teacher(
-    target: TargetModel, tokens: list[int], prompt_len: int, layer_ids: tuple[int, ...]
-) -> Teacher:
-    cache = target.new_cache(initial_capacity=len(tokens))
-    slot = cache.allocate()
-    ids = torch.tensor(tokens)
-    out = target(PackedBatch(ids, (slot,), (len(tokens),)), cache, capture_layers=layer_ids)
-    assert out.features is not None and out.logits is not None
-    # clones leave inference mode: these tensors take part in the drafter's autograd graph
-    return Teacher(ids, prompt_len, out.features.float().clone(), out.logits.clone())
+from adaflash.models.target import TargetModel
+from adaflash.teacher_cache import CachedSequence, teach
+from adaflash.workloads import Trajectory
 
 
 def sample_anchors(
@@ -69,33 +56,33 @@ def block_attention_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -
 
 
 def block_states(
-    drafter: DFlashDrafter, target: TargetModel, teacher: Teacher, anchors: torch.Tensor
+    drafter: DFlashDrafter, target: TargetModel, seq: CachedSequence, anchors: torch.Tensor
 ) -> torch.Tensor:
     """Drafter final states for every anchor's block → (Nb, k, H). Gradient flows into the
     drafter; the target's embedding stays frozen."""
-    k, s = drafter.cfg.block_size, teacher.tokens.numel()
+    k, s = drafter.cfg.block_size, seq.tokens.numel()
     nb = anchors.numel()
     block_ids = torch.full((nb, k), drafter.cfg.mask_token_id)
-    block_ids[:, 0] = teacher.tokens[anchors]
+    block_ids[:, 0] = seq.tokens[anchors]
     positions = (anchors[:, None] + torch.arange(k)).reshape(1, nb * k)  # (1, Nb·k)
     with torch.no_grad():
         block = target.embed_tokens(block_ids.reshape(1, nb * k)).to(drafter.dtype)  # (1, Nb·k, H)
-    ctx = drafter.context_kv(teacher.features, torch.arange(s))  # per layer (kv, S, d)
+    ctx = drafter.context_kv(seq.features, torch.arange(s))  # per layer (kv, S, d)
     mask = block_attention_mask(anchors, k, s)
     states = drafter(block, positions, [ctx], [mask])  # (1, Nb·k, H)
     return states.view(nb, k, -1)
 
 
 def slot_targets(
-    teacher: Teacher, anchors: torch.Tensor, block_size: int
+    seq: CachedSequence, anchors: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For slots 1 … k−1 of each block: teacher row index (p+i−1), recorded token (x_{p+i}) and
+    """For slots 1 … k−1 of each block: teacher row (p+i−1), recorded token (x_{p+i}) and
     validity (p+i inside the sequence). Each (Nb, k−1)."""
-    s = teacher.tokens.numel()
+    s = seq.tokens.numel()
     pos = anchors[:, None] + torch.arange(1, block_size)[None, :]  # (Nb, k−1) predicted positions
     valid = pos < s
     pos_c = pos.clamp(max=s - 1)
-    return pos_c - 1, teacher.tokens[pos_c], valid
+    return pos_c - 1, seq.tokens[pos_c], valid
 
 
 def accepted_drafts(
@@ -104,6 +91,13 @@ def accepted_drafts(
     """Leading run of drafts equal to the recorded tokens, per block (Nb,)."""
     ok = (drafts == recorded) & valid  # (Nb, k−1)
     return ok.long().cumprod(dim=1).sum(dim=1)
+
+
+def train_slots(block_size: int, supervised: int | None) -> torch.Tensor:
+    """(k−1,) bool: the draft slots the loss teaches. ``supervised`` None teaches all; n teaches
+    slots 1 … n (the rest still draft, they are just never reached often enough to pay)."""
+    n = block_size - 1 if supervised is None else min(supervised, block_size - 1)
+    return torch.arange(1, block_size) <= n
 
 
 @dataclass
@@ -118,28 +112,64 @@ class DistillOutput:
 def distill_sequence(
     drafter: DFlashDrafter,
     target: TargetModel,
-    teacher: Teacher,
+    seq: CachedSequence,
     anchors: torch.Tensor,
     loss: str = "opd",
     alpha: float = ALPHA,
     delta: float = DELTA,
+    lookup: torch.Tensor | None = None,
+    supervised_slots: int | None = None,
+    slot_decay: float | None = None,
 ) -> DistillOutput:
-    """Losses of one sequence's blocks."""
+    """Losses of one sequence's blocks. ``lookup`` maps target ids to the drafter's draft
+    vocabulary (``draft_vocab.lookup_table``; None without one)."""
     k = drafter.cfg.block_size
-    states = block_states(drafter, target, teacher, anchors)  # (Nb, k, H)
-    rows, recorded, valid = slot_targets(teacher, anchors, k)  # (Nb, k−1) each
-    q_logits = target.lm_head(states[:, 1:].to(target.lm_head.weight.dtype))  # (Nb, k−1, V)
-    p_logits = teacher.logits[rows]  # (Nb, k−1, V)
-    q, p = q_logits.flatten(0, 1), p_logits.flatten(0, 1)  # (Nb·(k−1), V)
-    per_slot = (opd_loss(q, p, alpha, delta) if loss == "opd" else osd_loss(q, p)).view(rows.shape)
-    draft_loss = weighted_slot_mean(per_slot, valid, k)
-    accepted = accepted_drafts(q_logits.detach().argmax(-1), recorded, valid)
+    states = block_states(drafter, target, seq, anchors)  # (Nb, k, H)
+    rows, recorded, valid = slot_targets(seq, anchors, k)  # (Nb, k−1) each
+    flat = states[:, 1:].reshape(-1, states.shape[-1])  # (Nb·(k−1), H)
+    q = drafter.draft_logits(flat, target.lm_head.weight)  # (Nb·(k−1), V_d)
+    teacher = seq.teacher(rows.flatten(), lookup)
+    per_row = (
+        opd_loss_topk(q, teacher, alpha, delta) if loss == "opd" else osd_loss_topk(q, teacher)
+    )
+    taught = valid & train_slots(k, supervised_slots)[None, :]
+    weights = slot_weights(k, decay=slot_decay)
+    draft_loss = weighted_slot_mean(per_row.view(rows.shape), taught, k, weights)
+    drafts = drafter.to_target_ids(q.detach().argmax(-1)).view(rows.shape)
+    accepted = accepted_drafts(drafts, recorded, valid)
     a_hat = drafter.length_head(states)  # detaches its input
     h_loss = head_loss(a_hat.float(), acceptance_label(accepted, k))
     return DistillOutput(draft_loss + h_loss, draft_loss, h_loss, accepted, a_hat.detach())
 
 
 @torch.no_grad()
+def replay(
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    seqs: Sequence[CachedSequence],
+    anchors_per_seq: int | None = 64,
+    seed: int = 0,
+) -> SpecCounters:
+    """Replay the drafter against recorded target tokens (no generation): the counters a
+    ``fixed`` policy would see if every anchor's whole block were verified."""
+    k = drafter.cfg.block_size
+    counters = SpecCounters(k)
+    g = torch.Generator().manual_seed(seed)
+    for seq in seqs:
+        if seq.tokens.numel() - seq.prompt_len < 2:
+            continue
+        anchors = sample_anchors(seq.prompt_len, seq.tokens.numel(), anchors_per_seq, g)
+        states = block_states(drafter, target, seq, anchors)
+        _, recorded, valid = slot_targets(seq, anchors, k)
+        flat = states[:, 1:].reshape(-1, states.shape[-1]).contiguous()
+        best = drafter.draft_logits(flat, target.lm_head.weight).argmax(-1)
+        drafts = drafter.to_target_ids(best).view(recorded.shape)
+        accepted = accepted_drafts(drafts, recorded, valid)
+        for acc, n_valid in zip(accepted.tolist(), valid.sum(1).tolist(), strict=True):
+            counters.add_round(verify_len=n_valid + 1, accepted=acc, drafted=k - 1)
+    return counters
+
+
 def simulate_acceptance(
     drafter: DFlashDrafter,
     target: TargetModel,
@@ -147,22 +177,11 @@ def simulate_acceptance(
     anchors_per_seq: int | None = 64,
     seed: int = 0,
 ) -> SpecCounters:
-    """Replay the drafter against recorded target tokens (no generation): the counters a
-    ``fixed`` policy would see if every anchor's whole block were verified. ``sequences`` are
-    (prompt + response tokens, prompt length)."""
-    k = drafter.cfg.block_size
-    counters = SpecCounters(k)
-    g = torch.Generator().manual_seed(seed)
-    for tokens, prompt_len in sequences:
-        if len(tokens) - prompt_len < 2:
-            continue
-        teacher = run_teacher(target, tokens, prompt_len, drafter.cfg.target_layer_ids)
-        anchors = sample_anchors(prompt_len, len(tokens), anchors_per_seq, g)
-        states = block_states(drafter, target, teacher, anchors)
-        _, recorded, valid = slot_targets(teacher, anchors, k)
-        flat = states[:, 1:].reshape(-1, states.shape[-1]).to(target.lm_head.weight.dtype)
-        drafts = target.lm_head(flat).argmax(-1).view(recorded.shape)
-        accepted = accepted_drafts(drafts, recorded, valid)
-        for acc, n_valid in zip(accepted.tolist(), valid.sum(1).tolist(), strict=True):
-            counters.add_round(verify_len=n_valid + 1, accepted=acc, drafted=k - 1)
-    return counters
+    """``replay`` on raw (prompt + response tokens, prompt length) pairs: the target runs once
+    over them for the context features (no teacher distribution is needed)."""
+    trajs = [
+        Trajectory(str(i), "", tokens[:plen], tokens[plen:], "", "")
+        for i, (tokens, plen) in enumerate(sequences)
+    ]
+    seqs = teach(target, trajs, drafter.cfg.target_layer_ids, top_k=0)
+    return replay(drafter, target, seqs, anchors_per_seq, seed)

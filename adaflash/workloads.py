@@ -46,6 +46,48 @@ def load_prompts(
     return prompts[:limit] if limit else prompts
 
 
+def read_prompt_file(path: str | Path, domain: str | None = None) -> list[Prompt]:
+    """Any JSONL file whose rows carry a ``prompt`` (``id``, ``domain`` and ``source`` optional);
+    refuses a file without prompts with the line that lacks one."""
+    path = Path(path)
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            text = row["prompt"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{n}: each line must be a JSON object with 'prompt'") from exc
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{path}:{n}: 'prompt' must be a non-empty string")
+        rid = str(row.get("id") or f"{path.stem}-{n:05d}")
+        out.append(
+            Prompt(rid, domain or row.get("domain") or path.stem, text, row.get("source", ""))
+        )
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+# Second turns for multi-turn chat data: the user follows up on the target's own first answer.
+FOLLOW_UPS = (
+    "Can you explain that in more detail?",
+    "Can you give me an example?",
+    "Why is that?",
+    "Summarize that in one sentence.",
+    "What else should I know about this?",
+    "Can you say that more simply?",
+    "Thanks! Is there anything you would add?",
+    "Is that always true?",
+)
+
+
+def follow_up(trajectory_id: str) -> str:
+    """The follow-up question for a trajectory (fixed per id, spread over ``FOLLOW_UPS``)."""
+    return FOLLOW_UPS[sum(trajectory_id.encode()) % len(FOLLOW_UPS)]
+
+
 def read_trajectories(paths: list[Path] | Path) -> list[Trajectory]:
     out = []
     for path in [paths] if isinstance(paths, Path) else paths:

@@ -31,6 +31,12 @@ def distill_config(args: argparse.Namespace) -> DistillConfig:
         head_lr=args.head_lr,
         bf16_autocast=args.bf16_autocast,
         seed=args.seed,
+        batch_size=args.batch_size,
+        accumulate=args.accumulate,
+        lr_schedule=args.lr_schedule,
+        warmup_fraction=args.warmup,
+        supervised_slots=args.supervised_slots,
+        slot_decay=args.slot_decay,
         strategy=args.strategy,
         devices=int(args.devices) if str(args.devices).isdigit() else args.devices,
         num_nodes=args.num_nodes,
@@ -52,6 +58,14 @@ def add_distill_args(p: argparse.ArgumentParser, epochs: int = 2) -> None:
     p.add_argument("--head-lr", type=float, default=2e-4, help="length-head learning rate")
     p.add_argument("--bf16-autocast", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per step")
+    p.add_argument("--accumulate", type=int, default=2, help="steps per optimizer update")
+    p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine")
+    p.add_argument("--warmup", type=float, default=0.03, help="warmup fraction of the run")
+    p.add_argument(
+        "--supervised-slots", type=int, default=None, help="teach draft slots 1 … n only"
+    )
+    p.add_argument("--slot-decay", type=float, default=7.0, help="w_i = exp(−(i−1)/decay)")
     p.add_argument(
         "--strategy",
         choices=["auto", "ddp", "fsdp"],
@@ -64,9 +78,15 @@ def add_distill_args(p: argparse.ArgumentParser, epochs: int = 2) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Train a drafter + length head on trajectory files; write a DFlash-format folder."""
+    """Train a drafter + length head on trajectory files; write a DFlash-format folder.
+
+    With ``--cache`` the target's teacher outputs for the trajectories go to (or are reused
+    from) that folder once; without it they are computed in memory. ``--init`` continues a
+    drafter (chained runs: blocks seen and the learning curve carry on)."""
+    from adaflash.models.draft_vocab import build_draft_vocab, count_tokens, coverage
     from adaflash.models.drafter import load_drafter
     from adaflash.pull import resolve_target
+    from adaflash.teacher_cache import CachedSequence, build_cache, cache_key
     from adaflash.workloads import read_trajectories
     from lightning_modules.train import fit, new_drafter, save_run
 
@@ -75,10 +95,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     target_dir = resolve_target(args.target)
     target = load_target(target_dir, args.target_dtype)
     train = read_trajectories([Path(p) for p in args.trajectories])
-    val = read_trajectories([Path(p) for p in args.val]) if args.val else None
+    val = read_trajectories([Path(p) for p in args.val]) if args.val else []
+    offset = 0
     if args.init:
         drafter = load_drafter(args.init, "float32")
         drafter.cfg.check_target(target.cfg)
+        card = Path(args.init) / "training.json"
+        if card.is_file():
+            offset = int(json.loads(card.read_text()).get("result", {}).get("blocks_seen") or 0)
     else:
         mask = (
             args.mask_token_id
@@ -95,14 +119,65 @@ def cmd_train(args: argparse.Namespace) -> int:
             init_from_target=not args.random_init,
             seed=args.seed,
         )
+    if args.draft_vocab is not None:
+        if args.draft_vocab == 0:
+            drafter.set_draft_vocab(None)
+        else:
+            counts = count_tokens((t.response_ids for t in train), target.cfg.vocab_size)
+            ids = build_draft_vocab(counts, args.draft_vocab, target.cfg.eos_token_ids)
+            drafter.set_draft_vocab(
+                ids,
+                {
+                    "built_from": "response tokens of the training trajectories",
+                    "train_coverage": round(coverage(ids, counts), 5),
+                },
+            )
     cfg = distill_config(args)
-    result = fit(drafter, target, train, val, cfg, log_dir=Path(args.out) / "logs")
+    if args.cache:
+        key = cache_key(target_dir, drafter.cfg.target_layer_ids, cfg.top_k)
+
+        def report(done: int, total: int) -> None:
+            print(f"[train] teacher cache: {done}/{total} new trajectories", flush=True)
+
+        train_src = build_cache(Path(args.cache) / "train", target, key, train, progress=report)
+        val_src = build_cache(Path(args.cache) / "val", target, key, val) if val else None
+    else:
+        train_src, val_src = train, val or None  # type: ignore[assignment]
+    curve_sets = {}
+    if args.curve_every and val_src is not None:
+        from lightning_modules.train import cached
+
+        seqs = [
+            s for s in cached(target, val_src, drafter, cfg.top_k) if isinstance(s, CachedSequence)
+        ]
+        for domain in sorted({s.domain for s in seqs}):
+            curve_sets[domain] = [s for s in seqs if s.domain == domain][: args.curve_seqs]
+    result = fit(
+        drafter,
+        target,
+        train_src,
+        val_src,
+        cfg,
+        log_dir=Path(args.out) / "logs",
+        curve_sets=curve_sets,
+        curve_every=args.curve_every,
+        blocks_offset=offset,
+    )
+    if args.curve:
+        curve_path = Path(args.curve)
+        old = json.loads(curve_path.read_text()) if curve_path.is_file() else {"points": []}
+        old["points"] = [p for p in old["points"] if p["blocks"] < (offset or 1)] + [
+            {**p, "run": args.title} for p in result.curve
+        ]
+        curve_path.parent.mkdir(parents=True, exist_ok=True)
+        curve_path.write_text(json.dumps(old, indent=1) + "\n")
     data = {
         "trajectories": [str(p) for p in args.trajectories],
         "sequences": len(train),
         "domains": sorted({t.domain for t in train}),
-        "target": str(target_dir),
+        "target": Path(target_dir).name,
         "init": args.init or ("random" if args.random_init else "target layers"),
+        "draft_vocab": drafter.draft_vocab_size,
     }
     save_run(
         result,
@@ -141,6 +216,19 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="random drafter layers instead of copies of the target's last layers",
     )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="draft from the N most frequent response tokens (0: the whole vocabulary; "
+        "default: a new drafter drafts from all, --init keeps its own)",
+    )
+    p.add_argument("--cache", default=None, help="teacher cache folder (built once, resumable)")
+    p.add_argument(
+        "--curve-every", type=int, default=0, help="replay --val every N blocks (learning curve)"
+    )
+    p.add_argument("--curve-seqs", type=int, default=32, help="held-out sequences per domain")
+    p.add_argument("--curve", default=None, help="learning-curve JSON to extend")
     p.add_argument("--title", default="AdaFlash drafter")
     p.set_defaults(func=cmd_train)
 

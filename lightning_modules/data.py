@@ -1,61 +1,56 @@
-"""Trajectories as a LightningDataModule (files now; the database buffer plugs in later)."""
+"""Cached teacher sequences as a LightningDataModule.
+
+A source is anything indexable that yields ``CachedSequence`` items: a list (an online round,
+taught in memory) or a ``TeacherCache`` folder (offline training on many thousands)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Sequence
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader, Dataset
 
-from adaflash.workloads import Trajectory, read_trajectories
+from adaflash.teacher_cache import CachedSequence
 
 
-class TrajectoryDataset(Dataset[Trajectory]):
-    def __init__(self, trajectories: list[Trajectory]) -> None:
-        self.items = [t for t in trajectories if len(t.response_ids) >= 2]
+class CachedDataset(Dataset[CachedSequence]):
+    def __init__(self, source: Sequence[CachedSequence]) -> None:
+        self.source = source
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.source)
 
-    def __getitem__(self, i: int) -> Trajectory:
-        return self.items[i]
+    def __getitem__(self, i: int) -> CachedSequence:
+        return self.source[i]
 
 
-def _as_list(batch: list[Trajectory]) -> list[Trajectory]:
+def _as_list(batch: list[CachedSequence]) -> list[CachedSequence]:
     return batch  # sequences differ in length: the module handles them one by one
 
 
-class TrajectoryDataModule(L.LightningDataModule):
+class TeacherDataModule(L.LightningDataModule):
     def __init__(
         self,
-        train: list[Trajectory] | list[Path],
-        val: list[Trajectory] | list[Path] | None = None,
+        train: Sequence[CachedSequence],
+        val: Sequence[CachedSequence] = (),
         batch_size: int = 1,
         seed: int = 0,
     ) -> None:
         super().__init__()
-        self.train_items = _load(train)
-        self.val_items = _load(val or [])
+        self.train_source, self.val_source = train, val
         self.batch_size, self.seed = batch_size, seed
 
-    def train_dataloader(self) -> DataLoader[Trajectory]:
-        import torch
-
+    def train_dataloader(self) -> DataLoader[CachedSequence]:
         return DataLoader(
-            TrajectoryDataset(self.train_items),
+            CachedDataset(self.train_source),
             batch_size=self.batch_size,
             shuffle=True,
             collate_fn=_as_list,
             generator=torch.Generator().manual_seed(self.seed),
         )
 
-    def val_dataloader(self) -> DataLoader[Trajectory]:
+    def val_dataloader(self) -> DataLoader[CachedSequence]:
         return DataLoader(
-            TrajectoryDataset(self.val_items), batch_size=self.batch_size, collate_fn=_as_list
+            CachedDataset(self.val_source), batch_size=self.batch_size, collate_fn=_as_list
         )
-
-
-def _load(items: list[Trajectory] | list[Path]) -> list[Trajectory]:
-    if items and not isinstance(items[0], Trajectory):
-        return read_trajectories([Path(str(p)) for p in items])
-    return list(items)  # type: ignore[arg-type]  # (mypy cannot narrow the list's type)

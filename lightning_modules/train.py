@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,13 @@ import torch
 
 from adaflash.config import DistillConfig, DrafterConfig
 from adaflash.models.drafter import DFlashDrafter, save_drafter
-from adaflash.models.target import TargetModel
+from adaflash.models.target import DecoderLayer, TargetModel
+from adaflash.teacher_cache import CachedSequence, teach
 from adaflash.workloads import Trajectory
-from lightning_modules.data import TrajectoryDataModule
+from lightning_modules.data import TeacherDataModule
 from lightning_modules.distill import DrafterDistillation
+
+Source = Sequence[Trajectory] | Sequence[CachedSequence]
 
 
 @dataclass
@@ -27,6 +31,8 @@ class TrainResult:
     seconds: float
     val_accept_len: float | None
     history: list[dict[str, float]] = field(default_factory=list)
+    blocks: int = 0  # blocks seen, counting those of the runs this one continues
+    curve: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         last = self.history[-20:]
@@ -34,6 +40,7 @@ class TrainResult:
         return {
             "steps": self.steps,
             "samples": self.samples,
+            "blocks_seen": self.blocks,
             "seconds": round(self.seconds, 1),
             "val_accept_len_sim": None
             if self.val_accept_len is None
@@ -53,11 +60,13 @@ def new_drafter(
     intermediate_size: int | None = None,
     block_size: int = 16,
     init_from_target: bool = True,
+    fuse_identity: bool = False,
     seed: int = 0,
 ) -> DFlashDrafter:
     """A fresh drafter for ``target``. With ``init_from_target`` its layers start as copies of the
     target's last layers (same shapes; q/k norms start at 1) — a warm start, not a trained
-    drafter; the fusion ``fc``, norms and length head start fresh."""
+    drafter; the norms and length head start fresh, and the fusion ``fc`` too unless
+    ``fuse_identity`` starts it as the identity on the deepest captured layer."""
     torch.manual_seed(seed)
     cfg = DrafterConfig.for_target(
         target.cfg,
@@ -76,23 +85,45 @@ def new_drafter(
                 for name, t in src.state_dict().items():
                     if name in own and own[name].shape == t.shape:
                         own[name].copy_(t.float())
+            if fuse_identity:
+                # c_t starts as the deepest captured hidden state, normed like the first copied
+                # layer's input: its context keys/values are then the target's own
+                h = cfg.hidden_size
+                drafter.fc.weight.zero_()
+                drafter.fc.weight[:, -h:].copy_(torch.eye(h))
+                first = src_layers[0]
+                assert isinstance(first, DecoderLayer)
+                drafter.hidden_norm.weight.copy_(first.input_layernorm.weight.float())
     return drafter
+
+
+def cached(target: TargetModel, items: Source, drafter: DFlashDrafter, top_k: int) -> Source:
+    """Trajectories → their cached teacher (the target runs once each); cached stays as is."""
+    if items and isinstance(items[0], Trajectory):
+        return teach(target, list(items), drafter.cfg.target_layer_ids, top_k)  # type: ignore[arg-type]
+    return items
 
 
 def fit(
     drafter: DFlashDrafter,
     target: TargetModel,
-    train: list[Trajectory],
-    val: list[Trajectory] | None,
+    train: Source,
+    val: Source | None,
     cfg: DistillConfig,
     log_dir: Path | None = None,
     progress: bool = True,
+    curve_sets: Mapping[str, Sequence[CachedSequence]] | None = None,
+    curve_every: int = 0,
+    blocks_offset: int = 0,
 ) -> TrainResult:
-    """One training run with a fresh Trainer. The drafter trains in fp32 (bf16 autocast when
-    configured); the target stays frozen in its own dtype."""
+    """One training run with a fresh Trainer on trajectories (taught in memory first) or cached
+    sequences. The drafter trains in fp32 (bf16 autocast when configured); the target stays
+    frozen in its own dtype. ``curve_sets`` are replayed every ``curve_every`` blocks."""
     drafter.float().train().requires_grad_(True)
-    module = DrafterDistillation(drafter, target, cfg)
-    data = TrajectoryDataModule(train, val or [], batch_size=cfg.batch_size, seed=cfg.seed)
+    train_seqs = cached(target, train, drafter, cfg.top_k)
+    val_seqs = cached(target, val or [], drafter, cfg.top_k)
+    module = DrafterDistillation(drafter, target, cfg, curve_sets, curve_every, blocks_offset)
+    data = TeacherDataModule(train_seqs, val_seqs, batch_size=cfg.batch_size, seed=cfg.seed)  # type: ignore[arg-type]
     trainer = L.Trainer(
         accelerator="cpu" if not torch.cuda.is_available() else "auto",
         devices=cfg.devices if torch.cuda.is_available() else 1,
@@ -108,19 +139,28 @@ def fit(
         enable_progress_bar=progress,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        limit_val_batches=1.0 if val else 0,
+        limit_val_batches=1.0 if val_seqs else 0,
         log_every_n_steps=10,
     )
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data)
     seconds = time.perf_counter() - t0
     val_tau = None
-    if val:
+    if val_seqs:
         trainer.validate(module, datamodule=data, verbose=False)
         val_tau = module.val_counters.accept_len if module.val_counters.rounds else None
+    if curve_every and curve_sets:
+        module.curve.append(module.measure_curve())  # the run's end is always a point
     drafter.eval().requires_grad_(False)
     return TrainResult(
-        drafter, trainer.global_step, module.samples_seen, seconds, val_tau, module.history
+        drafter,
+        trainer.global_step,
+        module.samples_seen,
+        seconds,
+        val_tau,
+        module.history,
+        module.blocks_seen,
+        module.curve,
     )
 
 

@@ -6,6 +6,10 @@ Sources (all permissively licensed, all on PyPI; see workloads/NOTICE):
   standard library (PSF licence) of the interpreter running this script.
 - chat: chatterbot-corpus (BSD-3), English utterances.
 
+The first ``SIZES`` rows of each split are the original sets. ``code_train.jsonl`` then goes on
+with extra rows for drafter training (never in any eval set): every other public function of the
+standard library (packages included) to implement, and short functions to explain.
+
 Reproducible: the same package versions and seed give the same files.
 
     pip install -e '.[workloads]' && python scripts/make_workloads.py
@@ -22,6 +26,7 @@ import json
 import random
 import sys
 import sysconfig
+import textwrap
 from pathlib import Path
 
 SIZES = {"math": (600, 48), "code": (600, 48), "chat": (None, 64)}  # (train, eval); None = rest
@@ -114,6 +119,48 @@ def stdlib_prompts() -> list[dict]:
     return out
 
 
+SKIP_STDLIB = ("test", "idlelib", "lib2to3", "turtledemo", "site-packages", "ensurepip", "config-")
+EXPLAIN_MAX_LINES = 30
+
+
+def _stdlib_functions() -> list[tuple[str, ast.FunctionDef, str]]:
+    """(module path, node, source) of every public documented function in the stdlib."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(lib.rglob("*.py")):
+        rel = path.relative_to(lib)
+        if any(part.startswith(SKIP_STDLIB) for part in rel.parts):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                out.append((rel.as_posix(), node, ast.get_source_segment(text, node) or ""))
+    return out
+
+
+def extra_code_prompts(exclude: set[str]) -> list[dict]:
+    """Training-only code prompts: implement any documented stdlib function; explain short ones."""
+    tag = f"cpython-{sys.version_info.major}.{sys.version_info.minor}/Lib"
+    out = []
+    for rel, node, src in _stdlib_functions():
+        doc = ast.get_docstring(node)
+        source = f"{tag}/{rel}:{node.name}"
+        if doc and 40 <= len(doc) <= 600 and source not in exclude:
+            stub = f'def {node.name}({ast.unparse(node.args)}):\n    """{doc.strip()}\n    """'
+            prompt = "Implement this Python function.\n\n```python\n" + stub + "\n```"
+            out.append({"prompt": prompt, "source": source})
+        lines = src.count("\n") + 1
+        if doc and 4 <= lines <= EXPLAIN_MAX_LINES and source not in exclude:
+            body = textwrap.dedent(" " * node.col_offset + src)
+            prompt = "Explain what this Python function does.\n\n```python\n" + body + "\n```"
+            out.append({"prompt": prompt, "source": f"{source}#explain"})
+    return out
+
+
 def chat_prompts() -> list[dict]:
     import chatterbot_corpus
     import yaml
@@ -175,6 +222,17 @@ def main() -> None:
         blend_tr += rng.sample(tr, min(BLEND_TRAIN_PER_DOMAIN, len(tr)))
         blend_ev += ev[:BLEND_EVAL_PER_DOMAIN]
         print(f"{domain}: {len(tr)} train, {len(ev)} eval (from {len(items)})")
+    code_train = [json.loads(x) for x in (out / "code_train.jsonl").read_text().splitlines()]
+    code_eval = [json.loads(x) for x in (out / "code_eval.jsonl").read_text().splitlines()]
+    seen = {r["source"] for r in code_train + code_eval}
+    extra = extra_code_prompts(seen)
+    random.Random(args.seed + 1).shuffle(extra)
+    start = len(code_train)
+    code_train += [
+        {"id": f"code-train-{start + i:04d}", "domain": "code", **r} for i, r in enumerate(extra)
+    ]
+    write(out / "code_train.jsonl", code_train)
+    print(f"code: {len(extra)} extra train rows (training only)")
     rng.shuffle(blend_tr)
     rng.shuffle(blend_ev)
     write(out / "blend_train.jsonl", blend_tr)

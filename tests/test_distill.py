@@ -1,19 +1,21 @@
+import dataclasses
+
 import pytest
 import torch
 
 from adaflash.config import DrafterConfig
 from adaflash.distill import (
-    Teacher,
     accepted_drafts,
     block_attention_mask,
     block_states,
     distill_sequence,
-    run_teacher,
     sample_anchors,
     simulate_acceptance,
 )
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.target import load_target
+from adaflash.teacher_cache import teach
+from adaflash.workloads import Trajectory
 from tests.tiny import VOCAB, build_checkpoint
 
 
@@ -25,7 +27,8 @@ def parts(tmp_path_factory):
         DrafterConfig.for_target(target.cfg, num_layers=2, mask_token_id=VOCAB - 1, block_size=4)
     )
     tokens = torch.randint(3, 90, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    teacher = run_teacher(target, tokens, 8, drafter.cfg.target_layer_ids)
+    traj = Trajectory("t", "chat", tokens[:8], tokens[8:], "", "length")
+    (teacher,) = teach(target, [traj], drafter.cfg.target_layer_ids)
     return target, drafter, teacher
 
 
@@ -50,7 +53,7 @@ def test_blocks_never_see_context_at_or_after_their_anchor(parts):
     target, drafter, teacher = parts
     anchors = torch.tensor([10, 14])
     base = block_states(drafter, target, teacher, anchors)
-    changed = Teacher(teacher.tokens, teacher.prompt_len, teacher.features.clone(), teacher.logits)
+    changed = dataclasses.replace(teacher, features=teacher.features.clone())
     changed.features[12:] += 5.0  # positions ≥ 12: after anchor 10, before anchor 14 sees 12,13
     after = block_states(drafter, target, changed, anchors)
     assert torch.allclose(base[0], after[0])  # block at 10 sees only 0 … 9

@@ -274,9 +274,11 @@ class Engine:
             return [[] for _ in reqs]
         b, _, h = states.shape
         # a 2-D contiguous input keeps torch on one GEMM (a 3-D slice can take a bmm path that
-        # copies the whole LM-head weight)
+        # copies the whole LM-head weight); only the draft vocabulary's rows are scored
+        assert self.drafter is not None
         rows = states[:, 1 : 1 + width].reshape(b * width, h).contiguous()  # (B·width, H)
-        return self.target.lm_head(rows).argmax(-1).view(b, width).tolist()  # (B, width)
+        best = self.drafter.draft_logits(rows, self.target.lm_head.weight).argmax(-1)  # (B·width,)
+        return self.drafter.to_target_ids(best).view(b, width).tolist()  # (B, width)
 
     def _verify(
         self, plans: list[_Plan], prefills: list[_Prefill]

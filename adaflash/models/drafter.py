@@ -6,7 +6,8 @@ target's frozen LM head. Context enters by KV injection: the target's hidden sta
 are fused (``fc`` then ``hidden_norm``) into one vector c_t per committed position, and every
 drafter layer projects c with its own k_proj/v_proj (+k_norm, +RoPE) and prepends them to the
 block's keys/values. Queries come only from the block; attention is bidirectional inside the block
-and sees all context. The drafter owns no embedding and no LM head.
+and sees all context. The drafter owns no embedding and no LM head; with a draft vocabulary
+(``models/draft_vocab.py``) it scores only those rows of the target's LM head.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from adaflash.config import DrafterConfig
+from adaflash.models import draft_vocab as dv
 from adaflash.models.checkpoint import load_tensors, resolve_dtype, save_tensors
 from adaflash.models.layers import Mask, RMSNorm, Rotary, SwiGLU, apply_rope, attend
 from adaflash.models.length_head import LengthHead
@@ -102,6 +104,9 @@ class DFlashDrafter(nn.Module):
         self.length_head = LengthHead(h, cfg.length_head_hidden)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.head_trained = True  # False when loaded from a plain DFlash checkpoint
+        self.draft_vocab: torch.Tensor | None = None  # (V_d,) target ids; None = all of them
+        self.draft_vocab_info: dict[str, Any] = {}
+        self._head: tuple[tuple[int, torch.dtype, torch.device], torch.Tensor] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -110,6 +115,41 @@ class DFlashDrafter(nn.Module):
     @property
     def drafter_layers(self) -> list[DrafterLayer]:
         return [layer for layer in self.layers if isinstance(layer, DrafterLayer)]
+
+    def set_draft_vocab(self, ids: torch.Tensor | None, info: dict[str, Any] | None = None) -> None:
+        """Draft only from these target ids (rank order); None drafts from the whole vocabulary."""
+        if ids is not None:
+            assert ids.dim() == 1 and int(ids.max()) < self.cfg.vocab_size, "ids out of range"
+            ids = ids.long().cpu()
+        self.draft_vocab, self.draft_vocab_info, self._head = ids, dict(info or {}), None
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.cfg.vocab_size if self.draft_vocab is None else self.draft_vocab.numel()
+
+    def draft_head(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The rows of the target's LM head this drafter scores: (V_d, H), kept between calls."""
+        if self.draft_vocab is None:
+            return lm_head_weight
+        key = (lm_head_weight.data_ptr(), lm_head_weight.dtype, lm_head_weight.device)
+        if self._head is None or self._head[0] != key:
+            # a plain (non-inference) tensor: training saves it for the backward pass
+            with torch.inference_mode(False), torch.no_grad():
+                rows = self.draft_vocab.to(lm_head_weight.device)
+                self._head = (key, lm_head_weight[rows].clone())
+        return self._head[1]
+
+    def draft_logits(self, states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Block states (N, H) → logits over the draft vocabulary (N, V_d). A 2-D contiguous
+        input keeps torch on one GEMM."""
+        head = self.draft_head(lm_head_weight)
+        return states.to(head.dtype) @ head.T
+
+    def to_target_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices → target token ids (identity without a draft vocabulary)."""
+        if self.draft_vocab is None:
+            return draft_index
+        return self.draft_vocab.to(draft_index.device)[draft_index]
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features (n, K·H) → context vectors c (n, H)."""
@@ -159,6 +199,11 @@ def save_drafter(
         state = {k: v.to(dt) for k, v in state.items()}
     meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
     save_tensors(state, folder / "model.safetensors", meta)
+    vocab_file = folder / dv.FILE
+    if drafter.draft_vocab is not None:
+        dv.save_draft_vocab(folder, drafter.draft_vocab, drafter.draft_vocab_info)
+    elif vocab_file.is_file():
+        vocab_file.unlink()  # an overwritten folder must not keep a stale vocabulary
     return folder
 
 
@@ -186,4 +231,7 @@ def load_drafter(
         if torch.isnan(t).any() or torch.isinf(t).any():
             raise ValueError(f"{folder}: tensor {name} holds NaN or Inf values")
     drafter.head_trained = has_head
+    vocab = dv.load_draft_vocab(folder, cfg.vocab_size)
+    if vocab is not None:
+        drafter.set_draft_vocab(*vocab)
     return drafter.to(device).eval()

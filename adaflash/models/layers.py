@@ -166,19 +166,49 @@ def block_attend_varlen(
     return out.reshape(q.shape[0], -1)
 
 
+def block_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
+) -> torch.Tensor:
+    """``attend`` under a BlockMask without the dense mask's wasted work: each query scores the
+    context keys (masked to its block's prefix) and its own block's k keys only, and one softmax
+    runs over both parts. Same result as dense SDPA; ~2× fewer scores and far less time on a CPU.
+
+    q (Nb·k, heads, d); k, v (kv_heads, n_ctx + Nb·k, d). Returns (Nb·k, heads·d).
+    """
+    nb, bs, n_ctx = mask.ctx_lens.numel(), mask.block_size, mask.n_ctx
+    kvh, d = k.shape[0], k.shape[-1]
+    g = q.shape[1] // kvh
+    assert q.shape[0] == nb * bs and k.shape[1] == n_ctx + nb * bs, "mask/tensor mismatch"
+    qh = q.reshape(nb * bs, kvh, g, d).permute(1, 2, 0, 3)  # (kvh, g, Nb·k, d)
+    kc, vc = k[:, None, :n_ctx], v[:, None, :n_ctx]  # (kvh, 1, C, d)
+    kb = k[:, n_ctx:].reshape(kvh, 1, nb, bs, d)  # (kvh, 1, Nb, k, d)
+    vb = v[:, n_ctx:].reshape(kvh, 1, nb, bs, d)
+    scale = d**-0.5
+    s_ctx = (qh @ kc.transpose(-1, -2)) * scale  # (kvh, g, Nb·k, C)
+    q_block = torch.arange(nb, device=q.device).repeat_interleave(bs)  # (Nb·k,)
+    lens = mask.ctx_lens.to(q.device)[q_block]
+    hidden = torch.arange(n_ctx, device=q.device)[None, :] >= lens[:, None]  # (Nb·k, C)
+    s_ctx = s_ctx.masked_fill(hidden, float("-inf")).reshape(kvh, g, nb, bs, n_ctx)
+    s_blk = (qh.reshape(kvh, g, nb, bs, d) @ kb.transpose(-1, -2)) * scale  # (kvh, g, Nb, k, k)
+    p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1).float(), dim=-1).to(q.dtype)
+    out = (p[..., :n_ctx].reshape(kvh, g, nb * bs, n_ctx) @ vc).reshape(kvh, g, nb, bs, d)
+    out = out + p[..., n_ctx:] @ vb  # (kvh, g, Nb, k, d)
+    return out.reshape(kvh * g, nb * bs, d).transpose(0, 1).reshape(nb * bs, -1)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
     """Grouped-query attention for one sequence.
 
     q (n_q, heads, d); k, v (kv_heads, n_k, d); mask (n_q, n_k) bool (True = may attend), a
-    BlockMask, or None for full attention. Returns (n_q, heads·d). A BlockMask on a CUDA half /
-    bf16 tensor goes to flash-attn when it is installed.
+    BlockMask, or None for full attention. Returns (n_q, heads·d). A BlockMask goes to
+    flash-attn on a CUDA half / bf16 tensor when it is installed, else to ``block_attend``.
     """
     if isinstance(mask, BlockMask):
         half = q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
         kernel = flash_varlen_kernel() if q.is_cuda and half else None
         if kernel is not None:
             return block_attend_varlen(q, k, v, mask, kernel)
-        mask = mask.dense(q.device)
+        return block_attend(q, k, v, mask)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # (1, heads, n_q, d)
         k.unsqueeze(0),

@@ -1,4 +1,5 @@
-"""Attention under the drafter's training mask: dense SDPA vs the varlen (flash-attn) layout.
+"""Attention under the drafter's training mask: dense SDPA vs the two-part CPU kernel
+(``block_attend``) and the varlen (flash-attn) layout.
 
 On the CPU the varlen layout is checked with a reference kernel that has flash-attn's varlen
 signature (per-sequence SDPA); the GPU test runs the real flash-attn kernel when installed.
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaflash.models.layers import BlockMask, attend, block_attend_varlen
+from adaflash.models.layers import BlockMask, attend, block_attend, block_attend_varlen
 
 
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False):
@@ -62,6 +63,23 @@ def test_varlen_layout_gives_the_dense_gradients():
         grads.append([t.grad for t in leaves])
     for a, b in zip(*grads, strict=True):
         assert a is not None and b is not None and torch.allclose(a, b, atol=1e-5)
+
+
+def test_block_attend_equals_the_dense_block_mask_with_gradients():
+    q, k, v, m = tensors([1, 5, 9, 12, 13], bs=4, n_ctx=16, heads=6, kv=2)
+    grads = []
+    outs = []
+    for path in ("dense", "two-part"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = attend(*leaves, m.dense()) if path == "dense" else attend(*leaves, m)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs.append(out.detach())
+        grads.append([t.grad for t in leaves])
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    for a, b in zip(*grads, strict=True):
+        assert a is not None and b is not None and torch.allclose(a, b, atol=1e-5)
+    wrong = BlockMask(torch.full((5,), 16), 4, 16)  # blocks seeing all context differ
+    assert not torch.allclose(outs[0], block_attend(q, k, v, wrong), atol=1e-3)
 
 
 def test_key_index_orders_context_then_own_block():
