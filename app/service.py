@@ -1,47 +1,68 @@
-"""Everything `adaflash serve` runs in one process, built from one frozen config.
+"""Everything `adaflash serve` runs in one process, built from one frozen config, and the one
+facade the HTTP routes and the UI use.
 
-The engine thread (EngineRunner), the buffer writer, the version watcher and — as a separate OS
-process — the trainer. ``start()`` / ``stop()`` are explicit; nothing happens at import.
+The serving backend (``app.backends.Backend``: the embedded engine thread, or SGLang), the
+buffer writer, the version watcher and — as a separate OS process — the trainer. ``start()`` /
+``stop()`` are explicit; nothing happens at import. Admin actions and dashboard queries are
+methods here, so the API and the UI do the same thing the same way; they touch the database or
+load weights, so async callers run them in a worker thread (``asyncio.to_thread``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from adaflash.cli import resolve_drafter
-from adaflash.config import POLICIES, EngineConfig, Policy, SamplingParams, TargetConfig
+from adaflash.config import (
+    DEFAULT_BLOCK_SIZE,
+    POLICIES,
+    EngineConfig,
+    Policy,
+    SamplingDefaults,
+    SamplingParams,
+    TargetConfig,
+)
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import QueueSink
 from adaflash.engine.runner import EngineRunner
+from adaflash.metrics import Bucket, SpecCounters
+from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.target import load_target
 from adaflash.pull import resolve_target
 from adaflash.tokenizer import Tokenizer
-from app.hotswap import VersionWatcher
-from app.sglang_engine import SGLangBackend
+from app.backends import Backend
+from app.training.hotswap import VersionWatcher
+from app.training.trainer import TrainerConfig
+from db import stats
 from db.buffer import BufferWriter
-from db.registry import Registry, VersionError, file_sha256
+from db.registry import Registry, Version, VersionError, file_sha256
+from db.runs import fail_stale_runs, list_runs, request_run
 from db.session import data_dir, make_engine, migrate
+from lightning_modules.online import OnlineConfig
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """`adaflash serve` settings. Each field can also come from ``ADAFLASH_<FIELD>``."""
+    """`adaflash serve` settings. Each simple field can also come from ``ADAFLASH_<FIELD>``;
+    what the trainer process trains with is ``online`` (``OnlineConfig``, its one home)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
-    backend: str = "adaflash"  # or "sglang" (CUDA hosts; see app/sglang_backend.py)
+    backend: str = "adaflash"  # or "sglang" (CUDA hosts; see app/backends/sglang_checks.py)
     target: str | None = None  # folder, default model name or hub id; default smollm2
     drafter: str | None = None  # folder or "none"; default: the shipped drafter
     database_url: str | None = None  # default: SQLite under the data dir
@@ -50,17 +71,19 @@ class ServeConfig:
     gamma: float = 1.0
     dtype: str = "bfloat16"
     max_temperature: float = 2.0
-    max_new_tokens: int = 1024  # per-request ceiling
+    max_new_tokens: int | None = None  # per-request ceiling; None = the context window
+    default_temperature: float | None = None  # request defaults; None: generation_config.json
+    default_top_p: float | None = None
+    default_top_k: int | None = None
     max_running_requests: int = 16
     max_batch_tokens: int = 512
     admin_token: str | None = None  # admin endpoints are disabled without one
     trainer: bool = True  # spawn `adaflash trainer` beside the server
-    min_new: int = 128
-    train_interval_minutes: float | None = None
-    trainer_threads: int = 1
     threads: int | None = None
     max_body_bytes: int = 1_000_000
     drain_seconds: float = 10.0
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+    trainer_process: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -69,6 +92,8 @@ class ServeConfig:
             raise ValueError(f"port must be 1…65535, got {self.port}")
         if self.max_temperature < 0 or self.gamma <= 0:
             raise ValueError("max_temperature must be ≥ 0 and gamma > 0")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be ≥ 1 (or unset: the context window)")
         if self.backend not in ("adaflash", "sglang"):
             raise ValueError(f"backend must be adaflash or sglang, got {self.backend!r}")
         if self.admin_token is not None and len(self.admin_token) < 8:
@@ -80,9 +105,9 @@ class ServeConfig:
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = os.environ.get(f"ADAFLASH_{f.name.upper()}")
-            if raw is None:
-                continue
             kind = str(f.type)
+            if raw is None or "Config" in kind:
+                continue
             if "bool" in kind:
                 values[f.name] = raw.lower() in ("1", "true", "yes", "on")
             elif "int" in kind and "float" not in kind:
@@ -95,10 +120,32 @@ class ServeConfig:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class Dashboard:
+    """What the dashboard shows for one window (rates derived by ``SpecCounters``)."""
+
+    window_s: float
+    now: float
+    buckets: list[Bucket]
+    versions: list[tuple[float, str]]  # (first round served, version) inside the window
+    slots: SpecCounters
+    per_domain: dict[str, SpecCounters]
+    runs: list[Any]  # training runs, newest first
+
+    @property
+    def total(self) -> SpecCounters:
+        return sum((b.counters for b in self.buckets), SpecCounters(self.slots.block_size))
+
+    @property
+    def busy_tokens_per_s(self) -> float:
+        seconds = sum(b.seconds for b in self.buckets)  # only buckets that saw rounds
+        return sum(b.tokens for b in self.buckets) / seconds if seconds else 0.0
+
+
 class Service:
     def __init__(self, cfg: ServeConfig) -> None:
         if cfg.backend == "sglang":
-            from app.sglang_backend import require_sglang
+            from app.backends.sglang_checks import require_sglang
 
             require_sglang()  # refuses with the reason on this machine
         self.cfg = cfg
@@ -108,52 +155,64 @@ class Service:
         self.target_dir = resolve_target(cfg.target)
         self.model_name = self.target_dir.name
         self.tokenizer = Tokenizer.from_folder(self.target_dir)
+        self.vocab_size = TargetConfig.from_folder(self.target_dir).vocab_size
+        self.defaults = SamplingDefaults.resolve(
+            self.target_dir, cfg.default_temperature, cfg.default_top_p, cfg.default_top_k
+        )
         self.db_url = cfg.database_url or f"sqlite:///{data_dir() / 'adaflash.db'}"
         self.db = make_engine(self.db_url)
         migrate(self.db)
         self.registry = Registry(self.db, cfg.weights_dir or data_dir() / "weights")
+        # an explicit --drafter none pins plain decoding: no version is followed or trained
+        self.pinned_plain = cfg.drafter == "none"
         drafter_dir = resolve_drafter(cfg.drafter, cfg.target)
-        version, drafter, served_dir = self._initial_drafter(drafter_dir)
+        version, drafter, served_dir = self._initial_drafter(
+            drafter_dir, explicit=bool(cfg.drafter)
+        )
         self.sink = QueueSink(maxsize=50_000)
-        self.engine: Engine | SGLangBackend
-        self.runner: EngineRunner | SGLangBackend
+        self.backend: Backend
         if cfg.backend == "sglang":
             if drafter is None or served_dir is None:
                 raise ValueError(
                     "the SGLang backend serves a DFlash drafter; --drafter none is not"
                 )
-            self.target = None
-            self.engine = self.runner = self._sglang_backend(drafter, served_dir, version)
+            self.backend = self._sglang_backend(drafter, served_dir, version)
         else:
-            self.target = load_target(self.target_dir, cfg.dtype)
-            eos = tuple(
-                sorted(set(self.target.cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids))
-            )
-            self.engine = Engine(
-                self.target,
-                drafter,
-                EngineConfig(
-                    policy=cfg.policy if drafter is not None else "ar",
-                    gamma=cfg.gamma,
-                    dtype=cfg.dtype,
-                    max_running_requests=cfg.max_running_requests,
-                    max_batch_tokens=max(cfg.max_batch_tokens, 16),
-                ),
-                sink=self.sink,
-                drafter_version=version,
-                detokenize=self.tokenizer.decode,
-                eos_token_ids=eos,
-            )
-            self.runner = EngineRunner(self.engine)
+            self.backend = self._embedded_backend(drafter, version)
         self.writer = BufferWriter(self.db, self.sink)
-        self.watcher = VersionWatcher(self.engine, self.registry, cfg.dtype)
+        self.watcher = VersionWatcher(self.backend, self.registry, cfg.dtype)
         self.trainer: subprocess.Popen[bytes] | None = None
         self.swap_log: list[tuple[float, str]] = [(time.time(), version)]
         self.watcher.on_swap = lambda v: self.swap_log.append((time.time(), v))
 
-    def _sglang_backend(self, drafter: Any, folder: Path, version: str) -> SGLangBackend:
+    def _embedded_backend(self, drafter: DFlashDrafter | None, version: str) -> EngineRunner:
+        target = load_target(self.target_dir, self.cfg.dtype)
+        eos = tuple(sorted(set(target.cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        engine = Engine(
+            target,
+            drafter,
+            EngineConfig(
+                policy=self.cfg.policy if drafter is not None else "ar",
+                gamma=self.cfg.gamma,
+                dtype=self.cfg.dtype,
+                max_running_requests=self.cfg.max_running_requests,
+                max_batch_tokens=max(self.cfg.max_batch_tokens, DEFAULT_BLOCK_SIZE),
+            ),
+            sink=self.sink,
+            drafter_version=version,
+            detokenize=self.tokenizer.decode,
+            eos_token_ids=eos,
+        )
+        return EngineRunner(engine)
+
+    def _sglang_backend(self, drafter: Any, folder: Path, version: str) -> Backend:
         """SGLang serves the target with ``folder`` as its DFLASH drafter (CUDA hosts)."""
-        from app.sglang_engine import EmbeddedSGLang, draft_tensors, embedded_sglang_args
+        from app.backends.sglang_engine import (
+            EmbeddedSGLang,
+            SGLangBackend,
+            draft_tensors,
+            embedded_sglang_args,
+        )
 
         args = embedded_sglang_args(
             str(self.target_dir), str(folder), self.cfg.dtype, self.cfg.max_running_requests
@@ -168,20 +227,24 @@ class Service:
             sink=self.sink,
         )
 
-    def _initial_drafter(self, folder: str | None) -> tuple[str, Any, Path | None]:
-        """Serve the registry's active version; register the shipped (or given) drafter as a
-        version first when it is not there yet. A broken active version falls back to the
-        folder, and serving still starts. Returns (version, drafter, its folder)."""
+    def _initial_drafter(self, folder: str | None, explicit: bool) -> tuple[str, Any, Path | None]:
+        """Which drafter serves first. No drafter: plain decoding. A folder given on the command
+        line wins over stored state: it becomes the active version (registered first if new).
+        The default (shipped) drafter is registered once, and then the registry's active
+        version serves, so a server restart keeps what training promoted. A broken active
+        version falls back to the folder, and serving still starts.
+        Returns (version, drafter, its folder)."""
         if folder is None:
             return "none", None, None
-        weights = Path(folder) / "model.safetensors"
-        sha = file_sha256(weights)
+        sha = file_sha256(Path(folder) / "model.safetensors")
         known = {v.sha256: v for v in self.registry.list()}
         if sha not in known:
             vid = "v0000" if not known else self.registry.next_id()
             self.registry.register_folder(Path(folder), vid, note=f"from {folder}")
-        elif self.registry.active() is None:
-            self.registry.activate(known[sha].id)
+        else:
+            active = self.registry.active()
+            if active is None or (explicit and active.id != known[sha].id):
+                self.registry.activate(known[sha].id, reason=f"served with --drafter {folder}")
         active = self.registry.active()
         assert active is not None
         try:
@@ -190,21 +253,27 @@ class Service:
             log.error("active version unusable (%s); serving %s instead", exc, folder)
             from adaflash.models.drafter import load_drafter
 
-            return (
-                f"file:{Path(folder).name}",
-                load_drafter(folder, self.cfg.dtype),
-                Path(folder),
-            )
+            return f"file:{Path(folder).name}", load_drafter(folder, self.cfg.dtype), Path(folder)
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        self.runner.start()
+        self.backend.start()
         self.writer.start()
-        self.watcher.start()
-        if self.cfg.trainer and self.engine.drafter is not None:
+        if not self.pinned_plain:
+            self.watcher.start()
+        if self.cfg.trainer and self.backend.speculative:
             self.trainer = self._spawn_trainer()
 
     def _spawn_trainer(self) -> subprocess.Popen[bytes]:
+        """The trainer process, with this server's training settings (``--settings`` JSON)."""
+        settings = {
+            "online": self.cfg.online.to_dict(),
+            "trainer": asdict(self.cfg.trainer_process),
+        }
+        fd, path = tempfile.mkstemp(prefix="trainer-settings-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(settings, f)
+        self._settings_file = Path(path)
         cmd = [
             sys.executable,
             "-m",
@@ -216,13 +285,9 @@ class Service:
             str(self.registry.weights_dir),
             "--target",
             str(self.target_dir),
-            "--min-new",
-            str(self.cfg.min_new),
-            "--threads",
-            str(self.cfg.trainer_threads),
+            "--settings",
+            path,
         ]
-        if self.cfg.train_interval_minutes:
-            cmd += ["--interval", str(self.cfg.train_interval_minutes)]
         log_path = self.registry.weights_dir.parent / "trainer.log"
         log.info("starting trainer process (log: %s)", log_path)
         with log_path.open("ab") as out:
@@ -232,16 +297,21 @@ class Service:
 
     def stop(self) -> None:
         """Finish or cancel streams, flush the queue, stop the trainer."""
-        self.runner.stop(drain_timeout_s=self.cfg.drain_seconds)
+        self.backend.stop(drain_timeout_s=self.cfg.drain_seconds)
         self.watcher.stop()
         if not self.writer.stop(timeout_s=15):
             log.error("could not flush %d buffered records before exit", self.writer.stats.pending)
         if self.trainer is not None and self.trainer.poll() is None:
-            self.trainer.terminate()
+            self.trainer.terminate()  # it marks a run it was in the middle of as failed
             try:
                 self.trainer.wait(20)
             except subprocess.TimeoutExpired:
                 self.trainer.kill()
+                self.trainer.wait()
+                fail_stale_runs(self.db, "the trainer was killed when the server stopped")
+        settings = getattr(self, "_settings_file", None)
+        if settings is not None:
+            settings.unlink(missing_ok=True)
         self.db.dispose()
         log.warning(
             "stopped: %d trajectories and %d rounds written, %d records dropped",
@@ -250,7 +320,13 @@ class Service:
             self.sink.dropped,
         )
 
-    # -- helpers for the API and UI -----------------------------------------------------------
+    # -- requests ------------------------------------------------------------------------------
+    @property
+    def max_new_tokens(self) -> int:
+        """The per-request ceiling: the operator's flag, else the context window."""
+        window = self.backend.max_context
+        return min(self.cfg.max_new_tokens or window, window)
+
     def sampling(
         self,
         *,
@@ -264,36 +340,35 @@ class Service:
         seed: int | None = None,
         prompt_len: int = 0,
     ) -> SamplingParams:
-        """SamplingParams from API fields, with the server's limits; ValueError says why."""
-        t = 1.0 if temperature is None else temperature
+        """SamplingParams from API fields: what a request leaves out comes from
+        ``self.defaults``; the server's limits apply. ValueError says why a request cannot run."""
+        t = self.defaults.temperature if temperature is None else temperature
         if t > self.cfg.max_temperature:
             raise ValueError(
                 f"temperature {t} is above this server's limit {self.cfg.max_temperature}"
             )
-        room = self.engine.max_context - prompt_len
+        window = self.backend.max_context
+        room = window - prompt_len
         if room < 1:
             raise ValueError(
-                f"the prompt ({prompt_len} tokens) fills the context window of "
-                f"{self.engine.max_context} tokens"
+                f"the prompt ({prompt_len} tokens) fills the context window of {window} tokens"
             )
-        n = (
-            max_new_tokens
-            if max_new_tokens is not None
-            else min(256, room, self.cfg.max_new_tokens)
-        )
-        if n > self.cfg.max_new_tokens:
-            raise ValueError(
-                f"max tokens {n} is above this server's limit {self.cfg.max_new_tokens}"
-            )
+        n = max_new_tokens if max_new_tokens is not None else min(room, self.max_new_tokens)
+        if n > self.max_new_tokens:
+            raise ValueError(f"max tokens {n} is above this server's limit {self.max_new_tokens}")
         if n > room:
             raise ValueError(
                 f"prompt ({prompt_len} tokens) + max tokens ({n}) exceeds the "
-                f"context window of {self.engine.max_context} tokens"
+                f"context window of {window} tokens"
             )
+        vocab = self.vocab_size
+        bad = [t for t in stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:3]} are outside the vocabulary (0…{vocab - 1})")
         return SamplingParams(
             temperature=t,
-            top_p=1.0 if top_p is None else top_p,
-            top_k=top_k or 0,
+            top_p=self.defaults.top_p if top_p is None else top_p,
+            top_k=self.defaults.top_k if top_k is None else top_k,
             max_new_tokens=n,
             stop=stop,
             stop_token_ids=stop_token_ids,
@@ -301,8 +376,88 @@ class Service:
             seed=seed,
         )
 
+    def model_info(self) -> dict[str, Any]:
+        """What this server serves, with the request defaults it applies."""
+        return {
+            "model_path": self.target_dir.name,
+            "served_model_name": self.model_name,
+            "max_context_length": self.backend.max_context,
+            "max_new_tokens": self.max_new_tokens,
+            "max_temperature": self.cfg.max_temperature,
+            "default_sampling": {
+                "temperature": self.defaults.temperature,
+                "top_p": self.defaults.top_p,
+                "top_k": self.defaults.top_k,
+                "source": self.defaults.source,
+            },
+            "speculative_algorithm": "ADAFLASH" if self.backend.speculative else None,
+            "speculative_num_draft_tokens": self.backend.block_size,
+            "drafter_version": self.backend.version,
+            "policy": self.backend.policy,
+            "backend": self.cfg.backend,
+        }
+
+    # -- admin actions (the API and the UI call these) ----------------------------------------
     def trainer_alive(self) -> bool:
         return self.trainer is not None and self.trainer.poll() is None
+
+    def request_training(self) -> tuple[int, str | None]:
+        """Queue a training run; returns its id and a note when no trainer will pick it up."""
+        run_id = request_run(self.db, "admin")
+        note = (
+            None
+            if self.trainer_alive()
+            else "no trainer process is attached to this server; start `adaflash trainer` "
+            "with the same database URL to run the request"
+        )
+        return run_id, note
+
+    def versions(self) -> list[Version]:
+        return self.registry.list()
+
+    def active_version(self) -> Version | None:
+        return self.registry.active()
+
+    def runs(self, limit: int = 50) -> list[Any]:
+        return list_runs(self.db, limit)
+
+    def promote(self, version: str, reason: str | None = None) -> Version:
+        """Make ``version`` active and swap it in now; VersionError says why not."""
+        self._refuse_when_pinned()
+        v = self.registry.activate(version, reason=reason)
+        self.watcher.check()
+        return v
+
+    def rollback(self, version: str | None = None) -> Version:
+        self._refuse_when_pinned()
+        v = self.registry.rollback(version)
+        self.watcher.check()
+        return v
+
+    def configure(self, policy: str | None = None, gamma: float | None = None) -> None:
+        """Change the verify-length policy and γ from the next step; ValueError says why not."""
+        self.backend.set_policy(policy, gamma)
+
+    def _refuse_when_pinned(self) -> None:
+        if self.pinned_plain:
+            raise VersionError(
+                "this server runs with --drafter none (plain decoding); restart it with a "
+                "drafter to serve versions"
+            )
+
+    # -- dashboard -----------------------------------------------------------------------------
+    def dashboard(self, window_s: float, now: float | None = None) -> Dashboard:
+        now = now or time.time()
+        block = self.backend.block_size
+        return Dashboard(
+            window_s,
+            now,
+            stats.timeline(self.db, window_s, bucket_s=max(5, int(window_s) // 40), now=now),
+            stats.version_starts(self.db, window_s, now=now),
+            stats.slot_acceptance(self.db, window_s, block, now=now),
+            stats.by_domain(self.db, window_s, now=now),
+            list_runs(self.db, 20),
+        )
 
     def remove_data(self) -> None:  # used by tests that build throwaway services
         shutil.rmtree(self.registry.weights_dir, ignore_errors=True)

@@ -41,7 +41,7 @@ from adaflash.models.target import TargetModel, load_target
 from adaflash.pull import resolve_target
 from adaflash.tokenizer import Tokenizer
 from adaflash.workloads import load_prompts
-from app.hotswap import VersionWatcher
+from app.training.hotswap import VersionWatcher
 from db.buffer import BufferWriter
 from db.registry import Registry
 from db.runs import list_runs

@@ -4,24 +4,11 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from sqlalchemy import BigInteger, Engine, and_, case, cast, func, select
 
-from adaflash.metrics import SpecCounters
+from adaflash.metrics import Bucket, SpecCounters
 from db.models import RoundRow
-
-
-@dataclass(frozen=True)
-class Bucket:
-    start: float  # unix seconds
-    counters: SpecCounters
-    tokens: int  # tokens emitted by rounds in the bucket
-    seconds: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
 
 
 def _counters(block: int, rounds: int, verified_slots: int, accepted: int) -> SpecCounters:

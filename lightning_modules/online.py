@@ -49,6 +49,16 @@ class OnlineConfig:
         if not 0.0 < self.holdout_fraction < 1.0:
             raise ValueError("holdout_fraction must be in (0, 1)")
 
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> OnlineConfig:
+        """The inverse of ``to_dict`` (how ``serve`` hands its settings to the trainer process)."""
+        raw = dict(raw)
+        distill = raw.pop("distill", {})
+        return cls(distill=DistillConfig(**distill), **raw)
+
 
 @dataclass
 class RoundOutcome:

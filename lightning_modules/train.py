@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from adaflash.config import DistillConfig, DrafterConfig
+from adaflash.config import DEFAULT_BLOCK_SIZE, DistillConfig, DrafterConfig
 from adaflash.models.drafter import DFlashDrafter, save_drafter
 from adaflash.models.target import DecoderLayer, TargetModel
 from adaflash.teacher_cache import CachedSequence, teach
@@ -58,15 +58,16 @@ def new_drafter(
     num_layers: int = 3,
     num_features: int | None = None,
     intermediate_size: int | None = None,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     init_from_target: bool = True,
-    fuse_identity: bool = False,
+    fuse_identity: bool = True,
     seed: int = 0,
 ) -> DFlashDrafter:
     """A fresh drafter for ``target``. With ``init_from_target`` its layers start as copies of the
     target's last layers (same shapes; q/k norms start at 1) — a warm start, not a trained
-    drafter; the norms and length head start fresh, and the fusion ``fc`` too unless
-    ``fuse_identity`` starts it as the identity on the deepest captured layer."""
+    drafter; the norms and length head start fresh. ``fuse_identity`` starts the fusion ``fc``
+    as the identity on the deepest captured layer (measured: τ 1.27 against 1.16 after 44K
+    blocks on SmolLM2 chat, docs/results/drafter/README.md)."""
     torch.manual_seed(seed)
     cfg = DrafterConfig.for_target(
         target.cfg,

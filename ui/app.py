@@ -10,11 +10,9 @@ from typing import Any
 
 import gradio as gr
 
+from adaflash.config import POLICIES
 from adaflash.metrics import SpecCounters
 from app.service import Service
-from db import stats
-from db.registry import VersionError
-from db.runs import list_runs, request_run
 from ui import charts
 
 WINDOWS = {"5 min": 300, "15 min": 900, "60 min": 3600}
@@ -84,7 +82,7 @@ def build_ui(service: Service) -> gr.Blocks:
             yield history, "", gr.update(), ""
             return
         t0, text, pieces, n, rounds = time.perf_counter(), "", [], 0, 0
-        async for d in service.runner.stream(prompt, params, domain="chat"):
+        async for d in service.backend.stream(prompt, params, domain="chat"):
             text += d.text
             n += len(d.token_ids)
             rounds += 1 if d.token_ids else 0
@@ -96,7 +94,10 @@ def build_ui(service: Service) -> gr.Blocks:
             line = f"**{rate:.1f} tokens/s** · τ ≈ {n / max(rounds, 1):.2f} tokens per round"
             if d.finished and d.record is not None:
                 c = SpecCounters.from_totals(
-                    service.engine.block_size, d.record.rounds, d.record.verified, d.record.accepted
+                    service.backend.block_size,
+                    d.record.rounds,
+                    d.record.verified,
+                    d.record.accepted,
                 )
                 line = (
                     f"**{rate:.1f} tokens/s** · τ = {c.accept_len:.2f} · verify_len = "
@@ -106,23 +107,17 @@ def build_ui(service: Service) -> gr.Blocks:
             yield (history, "", gr.update(value=provenance_html(pieces), visible=show_tokens), line)
 
     def dashboard(window: str) -> tuple[Any, ...]:
-        w, now = WINDOWS.get(window, 300), time.time()
-        buckets = stats.timeline(service.db, w, bucket_s=max(5, w // 40), now=now)
-        versions = stats.version_starts(service.db, w, now=now)
-        slot_c = stats.slot_acceptance(service.db, w, service.engine.block_size, now=now)
-        per_domain = stats.by_domain(service.db, w, now=now)
-        runs = list_runs(service.db, 20)
-        total = sum((b.counters for b in buckets), SpecCounters(service.engine.block_size))
-        tokens = sum(b.tokens for b in buckets)
-        busy_s = sum(b.seconds for b in buckets)  # only buckets that saw rounds
+        d = service.dashboard(WINDOWS.get(window, 300))
+        b, total = service.backend, d.total
         summary = (
-            f"**serving {service.engine.version}** · policy `{service.engine.policy}` · "
-            f"γ = {service.engine.gamma:g} · last {window}: {total.rounds} rounds, "
+            f"**serving {b.version}** · policy `{b.policy}` · "
+            f"γ = {b.gamma:g} · last {window}: {total.rounds} rounds, "
             f"τ = {total.accept_len:.2f}, verify_len = {total.verify_len:.2f}, "
-            f"{tokens / max(busy_s, 1e-9):.1f} tokens/s while busy · queue drops "
+            f"{d.busy_tokens_per_s:.1f} tokens/s while busy · queue drops "
             f"{service.sink.dropped} · trainer "
             f"{'up' if service.trainer_alive() else 'not running'}"
         )
+        runs = d.runs
         table = [
             [
                 r.id,
@@ -138,10 +133,10 @@ def build_ui(service: Service) -> gr.Blocks:
         ]
         return (
             summary,
-            charts.timeline(buckets, versions, now),
-            charts.throughput(buckets, versions, now),
-            charts.slots(slot_c),
-            charts.domains(per_domain),
+            charts.timeline(d.buckets, d.versions, d.now),
+            charts.throughput(d.buckets, d.versions, d.now),
+            charts.slots(d.slots),
+            charts.domains(d.per_domain),
             charts.training(runs),
             table,
         )
@@ -152,7 +147,7 @@ def build_ui(service: Service) -> gr.Blocks:
 
     def versions_table() -> list[list[Any]]:
         rows = []
-        for v in reversed(service.registry.list()):
+        for v in reversed(service.versions()):
             gate = v.metrics.get("gate") or {}
             rows.append(
                 [
@@ -179,7 +174,7 @@ def build_ui(service: Service) -> gr.Blocks:
             )
         if not authorised(token):
             return gr.update(visible=False), "Error: Wrong admin token.", gr.update()
-        ids = [v.id for v in reversed(service.registry.list())]
+        ids = [v.id for v in reversed(service.versions())]
         return (
             gr.update(visible=True),
             "OK: Logged in.",
@@ -192,30 +187,26 @@ def build_ui(service: Service) -> gr.Blocks:
                 return "Error: Not logged in.", versions_table()
             try:
                 msg = fn(*args)
-            except (VersionError, ValueError) as exc:
+            except (RuntimeError, ValueError) as exc:  # VersionError is a RuntimeError
                 msg = f"Error: {exc}"
             return msg, versions_table()
 
         return run
 
     def do_train() -> str:
-        run_id = request_run(service.db, "admin")
-        note = "" if service.trainer_alive() else " (no trainer process is attached)"
-        return f"OK: Training run {run_id} requested{note}."
+        run_id, note = service.request_training()
+        return f"OK: Training run {run_id} requested" + (f" ({note})." if note else ".")
 
     def do_promote(version: str) -> str:
-        v = service.registry.activate(version, reason="promoted from the admin UI")
-        service.watcher.check()
-        return f"OK: {v.id} is active; serving {service.engine.version}."
+        v = service.promote(version, reason="promoted from the admin UI")
+        return f"OK: {v.id} is active; serving {service.backend.version}."
 
     def do_rollback() -> str:
-        v = service.registry.rollback()
-        service.watcher.check()
+        v = service.rollback()
         return f"OK: Rolled back to {v.id}."
 
     def do_config(policy: str, gamma: float) -> str:
-        service.engine.set_policy(policy, gamma)
-        service.runner.notify()
+        service.configure(policy, gamma)
         return f"OK: policy = {policy}, γ = {gamma:g} (from the next step)."
 
     with gr.Blocks(title="AdaFlash") as demo:
@@ -245,7 +236,7 @@ def build_ui(service: Service) -> gr.Blocks:
                     label="Temperature (0 = greedy)",
                 )
                 max_tokens = gr.Slider(
-                    16, service.cfg.max_new_tokens, value=192, step=16, label="Max tokens"
+                    16, service.max_new_tokens, value=192, step=16, label="Max tokens"
                 )
                 show_tokens = gr.Checkbox(
                     value=True,
@@ -326,14 +317,14 @@ def build_ui(service: Service) -> gr.Blocks:
                     rollback_btn = gr.Button("Roll back", elem_id="rollback-btn")
                 with gr.Row():
                     policy = gr.Radio(
-                        ["ar", "fixed", "head"],
-                        value=service.engine.policy,
+                        list(POLICIES),
+                        value=service.backend.policy,
                         label="Verify-length policy",
                     )
                     gamma = gr.Slider(
                         0.25,
                         3.0,
-                        value=service.engine.gamma,
+                        value=service.backend.gamma,
                         step=0.05,
                         label="γ (load scaling of k̂)",
                     )

@@ -7,8 +7,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from adaflash.metrics import SpecCounters
-from db.stats import Bucket
+from adaflash.metrics import Bucket, SpecCounters
 
 GREEN, ORANGE, BLUE, GRAY = "#2e7d32", "#ef6c00", "#1565c0", "#757575"
 

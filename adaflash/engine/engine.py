@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adaflash.config import POLICIES, EngineConfig, SamplingParams
+from adaflash.config import DEFAULT_BLOCK_SIZE, POLICIES, EngineConfig, SamplingParams
 from adaflash.decoding.acceptance import greedy_accept, sampled_accept
 from adaflash.decoding.sampling import sample, target_probs
 from adaflash.engine.detokenize import cut_at_stop
@@ -40,8 +40,6 @@ from adaflash.models.drafter import KV, DFlashDrafter
 from adaflash.models.kv_cache import KVCache
 from adaflash.models.length_head import verify_len
 from adaflash.models.target import PackedBatch, TargetModel, TargetOutput
-
-DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass

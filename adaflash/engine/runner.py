@@ -18,9 +18,11 @@ from typing import TypeVar
 
 from adaflash.config import SamplingParams
 from adaflash.engine.detokenize import TextStreamer
-from adaflash.engine.engine import Engine
+from adaflash.engine.engine import Engine, EngineStats
 from adaflash.engine.records import RequestRecord
 from adaflash.engine.request import TokenEvent
+from adaflash.metrics import SpecCounters
+from adaflash.models.drafter import DFlashDrafter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +53,8 @@ class StreamDelta:
 
 
 class EngineRunner:
+    """An Engine on its own thread: the embedded serving backend (``app.backends.Backend``)."""
+
     def __init__(
         self,
         engine: Engine,
@@ -98,6 +102,56 @@ class EngineRunner:
     def notify(self) -> None:
         """Wake the engine thread (after queueing a command)."""
         self._wake.set()
+
+    # -- the engine's state, read from any thread ---------------------------------------------
+    @property
+    def version(self) -> str:
+        return self.engine.version
+
+    @property
+    def policy(self) -> str:
+        return self.engine.policy
+
+    @property
+    def gamma(self) -> float:
+        return self.engine.gamma
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def counters(self) -> SpecCounters:
+        return self.engine.counters
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    @property
+    def speculative(self) -> bool:
+        return self.engine.drafter is not None
+
+    @property
+    def running_count(self) -> int:
+        return len(self.engine.running)
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self.engine.waiting)
+
+    # -- commands (applied between two steps) ---------------------------------------------------
+    def swap_drafter(self, drafter: DFlashDrafter, version: str) -> None:
+        self.engine.swap_drafter(drafter, version)
+        self.notify()
+
+    def set_policy(self, policy: str | None = None, gamma: float | None = None) -> None:
+        self.engine.set_policy(policy, gamma)
+        self.notify()
 
     def _loop(self) -> None:
         while not self._stop.is_set():

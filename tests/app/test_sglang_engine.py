@@ -20,7 +20,7 @@ import torch
 from adaflash.config import DrafterConfig, SamplingParams, TargetConfig
 from adaflash.engine.records import MemorySink, RequestRecord
 from adaflash.models.drafter import DFlashDrafter
-from app.sglang_engine import (
+from app.backends.sglang_engine import (
     SGLangBackend,
     draft_tensors,
     finish_type,
@@ -333,10 +333,10 @@ def test_the_service_serves_through_the_sglang_backend(tmp_path, monkeypatch):
     admin refusals, metrics, trajectories in the buffer and a hot swap from the registry."""
     from fastapi.testclient import TestClient
 
-    import app.sglang_backend
-    import app.sglang_engine
+    import app.backends.sglang_checks
+    import app.backends.sglang_engine
     from adaflash.models.drafter import load_drafter
-    from app.api import create_app
+    from app.api.server import create_app
     from app.service import ServeConfig, Service
     from db.buffer import count_unconsumed
     from tests.tiny import build_serving_folders
@@ -349,8 +349,8 @@ def test_the_service_serves_through_the_sglang_backend(tmp_path, monkeypatch):
         made.append(kwargs)
         return fake
 
-    monkeypatch.setattr(app.sglang_backend, "require_sglang", lambda: None)
-    monkeypatch.setattr(app.sglang_engine, "EmbeddedSGLang", embedded)
+    monkeypatch.setattr(app.backends.sglang_checks, "require_sglang", lambda: None)
+    monkeypatch.setattr(app.backends.sglang_engine, "EmbeddedSGLang", embedded)
     cfg = ServeConfig(
         backend="sglang",
         target=str(target_dir),
@@ -362,7 +362,7 @@ def test_the_service_serves_through_the_sglang_backend(tmp_path, monkeypatch):
         dtype="float32",
     )
     service = Service(cfg)
-    assert isinstance(service.engine, SGLangBackend) and service.runner is service.engine
+    assert isinstance(service.backend, SGLangBackend)
     service.start()
     try:
         (args,) = made
@@ -399,7 +399,7 @@ def test_the_service_serves_through_the_sglang_backend(tmp_path, monkeypatch):
         )
         service.registry.activate(new.id)
         assert service.watcher.check() == new.id
-        assert service.engine.version == new.id and len(fake.updates) == 1
+        assert service.backend.version == new.id and len(fake.updates) == 1
         assert torch.allclose(fake.update_values[0], retrained.fc.weight.bfloat16().float())
         assert api.get("/admin/versions", headers=h).json()["serving"] == new.id
     finally:

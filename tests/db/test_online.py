@@ -16,7 +16,7 @@ from adaflash.engine.engine import Engine
 from adaflash.engine.records import MemorySink
 from adaflash.models.drafter import save_drafter
 from adaflash.models.target import load_target
-from app.hotswap import VersionWatcher
+from app.training.hotswap import VersionWatcher
 from db.buffer import count_unconsumed, write_records
 from db.models import TrajectoryRow
 from db.registry import Registry
@@ -179,7 +179,7 @@ def test_killed_trainer_leaves_no_partial_version_and_serving_goes_on(
     assert not [p for p in registry.weights_dir.iterdir() if p.name.startswith("v0001")]
     assert count_unconsumed(db) == 12  # nothing marked consumed
     # the next trainer start cleans up and records the dead run as failed
-    from app.trainer import TrainerService
+    from app.training.trainer import TrainerService
 
     service = TrainerService(db, registry, folder, FAST)
     service.cfg = type(service.cfg)(nice=0)
@@ -189,7 +189,7 @@ def test_killed_trainer_leaves_no_partial_version_and_serving_goes_on(
 
 
 def test_trainer_service_runs_on_threshold_and_on_admin_request(db, online, tiny):
-    from app.trainer import TrainerConfig, TrainerService
+    from app.training.trainer import TrainerConfig, TrainerService
     from db.runs import request_run
 
     folder, _, _ = tiny

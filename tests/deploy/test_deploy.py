@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from adaflash.config import DistillConfig, DrafterConfig, TargetConfig
 from adaflash.models.drafter import DFlashDrafter, save_drafter
-from app.sglang_backend import BackendUnavailable, dflash_compat_problems, require_sglang
+from app.backends.sglang_checks import BackendUnavailable, dflash_compat_problems, require_sglang
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_BIN = Path(compose.__file__).parent / "docker-compose"

@@ -18,9 +18,9 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from adaflash.engine.runner import StreamDelta
 from adaflash.metrics import SpecCounters
-from app.schemas import GenerateRequest
+from app.api.schemas import GenerateRequest
+from app.api.streaming import ApiError, collect, open_stream, sse
 from app.service import Service
-from app.streaming import ApiError, collect, open_stream, sse
 
 
 def meta_info(
@@ -46,7 +46,7 @@ def meta_info(
     rec = last.record if last is not None else None
     if rec is not None:
         c = SpecCounters.from_totals(
-            service.engine.block_size, rec.rounds, rec.verified, rec.accepted
+            service.backend.block_size, rec.rounds, rec.verified, rec.accepted
         )
         info.update(
             spec_accept_length=round(c.accept_len, 4),
@@ -104,14 +104,9 @@ def router(service: Service) -> APIRouter:
     @r.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         return {
-            "model_path": str(service.target_dir),
-            "tokenizer_path": str(service.target_dir),
+            **service.model_info(),
+            "tokenizer_path": service.target_dir.name,
             "is_generation": True,
-            "served_model_name": service.model_name,
-            "max_context_length": service.engine.max_context,
-            "speculative_algorithm": "ADAFLASH" if service.engine.drafter else None,
-            "speculative_num_draft_tokens": service.engine.block_size,
-            "drafter_version": service.engine.version,
         }
 
     @r.api_route("/flush_cache", methods=["GET", "POST"])
@@ -121,7 +116,7 @@ def router(service: Service) -> APIRouter:
 
     @r.get("/health")
     async def health() -> PlainTextResponse:
-        if not service.runner.alive:
+        if not service.backend.alive:
             raise ApiError(503, "engine thread is not running", "server_error")
         return PlainTextResponse("OK\n")
 

@@ -23,7 +23,7 @@ from sqlalchemy import Engine
 from adaflash.models.target import TargetModel, load_target
 from db.buffer import count_unconsumed
 from db.registry import Registry
-from db.runs import claim_run, fail_stale_runs, pending_request
+from db.runs import claim_run, fail_stale_runs, finish_run, pending_request
 from lightning_modules.online import OnlineConfig, RoundOutcome, training_round
 
 log = logging.getLogger(__name__)
@@ -31,11 +31,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrainerConfig:
+    """How the trainer process runs (what it trains is ``OnlineConfig``)."""
+
     poll_s: float = 10.0
     interval_minutes: float | None = None  # also train on this period when anything is new
     threads: int = 1
     nice: int = 10
     target_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.poll_s <= 0 or self.threads < 1:
+            raise ValueError("poll_s must be > 0 and threads ≥ 1")
+        if self.interval_minutes is not None and self.interval_minutes <= 0:
+            raise ValueError("interval_minutes must be > 0 (or unset)")
 
 
 class TrainerService:
@@ -53,6 +61,7 @@ class TrainerService:
         self._lock = threading.Lock()
         self.scheduler: BackgroundScheduler | None = None
         self.outcomes: list[RoundOutcome] = []
+        self.current_run: int | None = None  # the run this process is in the middle of
 
     @property
     def target(self) -> TargetModel:
@@ -98,10 +107,20 @@ class TrainerService:
             )
         self.scheduler.start()
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stop scheduling. A round in progress is not waited for: its run is recorded as
+        failed now (its partial version folder is removed at the next start). Returns whether
+        one was cut short."""
+        interrupted = self.current_run
+        if interrupted is not None:
+            finish_run(
+                self.db, interrupted, status="failed", error="stopped: the trainer was shut down"
+            )
+            log.warning("training run %d cut short by shutdown", interrupted)
         if self.scheduler is not None:
-            self.scheduler.shutdown(wait=True)
+            self.scheduler.shutdown(wait=interrupted is None)
             self.scheduler = None
+        return interrupted is not None
 
     def heartbeat(self) -> None:
         """Touch ``trainer.heartbeat`` beside the weights (the compose health check reads it)."""
@@ -127,7 +146,11 @@ class TrainerService:
             if claimed is None:
                 return None  # another trainer process holds the running slot
             log.info("training run %d (%s) starting", claimed, trigger)
-            outcome = training_round(self.db, self.registry, self.target, self.online, claimed)
+            self.current_run = claimed
+            try:
+                outcome = training_round(self.db, self.registry, self.target, self.online, claimed)
+            finally:
+                self.current_run = None
             log.info(
                 "training run %d: %s %s %s",
                 claimed,

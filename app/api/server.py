@@ -19,9 +19,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adaflash import __version__
-from app import prometheus, routes_admin, routes_openai, routes_sglang
+from app.api import admin_routes, metrics, openai_routes, sglang_routes
+from app.api.streaming import ApiError
 from app.service import Service
-from app.streaming import ApiError
 
 
 class BodyLimit:
@@ -121,14 +121,14 @@ def create_app(service: Service, ui: bool = True) -> FastAPI:
             "not_found_error" if exc.status_code == 404 else "invalid_request_error",
         ).response()
 
-    app.include_router(routes_openai.router(service))
-    app.include_router(routes_sglang.router(service))
-    app.include_router(routes_admin.router(service))
+    app.include_router(openai_routes.router(service))
+    app.include_router(sglang_routes.router(service))
+    app.include_router(admin_routes.router(service))
 
     @app.get("/metrics", tags=["ops"])
-    async def metrics() -> Response:
+    async def prometheus_metrics() -> Response:
         return Response(
-            prometheus.render(service), media_type="text/plain; version=0.0.4; charset=utf-8"
+            metrics.render(service), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
     @app.get("/", include_in_schema=False)

@@ -17,7 +17,8 @@ class EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         s = self.service
-        c, st = s.engine.counters, s.engine.stats
+        b = s.backend
+        c, st = b.counters, b.stats
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(f"adaflash_{name}", doc, value=value)
@@ -48,17 +49,17 @@ class EngineCollector:
         yield counter(
             "buffer_write_errors", "failed database writes (retried)", s.writer.stats.write_errors
         )
-        yield counter("engine_step_errors", "engine steps that raised", s.runner.step_errors)
+        yield counter("engine_step_errors", "engine steps that raised", b.step_errors)
         yield GaugeMetricFamily(
             "adaflash_queue_depth",
             "records waiting for the writer",
             value=s.sink.queue.qsize() + s.writer.stats.pending,
         )
         yield GaugeMetricFamily(
-            "adaflash_running_requests", "requests holding a slot", value=len(s.engine.running)
+            "adaflash_running_requests", "requests holding a slot", value=b.running_count
         )
         yield GaugeMetricFamily(
-            "adaflash_waiting_requests", "requests waiting for a slot", value=len(s.engine.waiting)
+            "adaflash_waiting_requests", "requests waiting for a slot", value=b.waiting_count
         )
         yield GaugeMetricFamily(
             "adaflash_trainer_up",
@@ -70,10 +71,10 @@ class EngineCollector:
             "the drafter version being served",
             labels=["version", "policy"],
         )
-        info.add_metric([s.engine.version, s.engine.policy], 1.0)
+        info.add_metric([b.version, b.policy], 1.0)
         yield info
         yield GaugeMetricFamily(
-            "adaflash_gamma", "load-scaling factor γ of the length head", value=s.engine.gamma
+            "adaflash_gamma", "load-scaling factor γ of the length head", value=b.gamma
         )
 
 

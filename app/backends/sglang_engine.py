@@ -1,8 +1,8 @@
 """Serving through an embedded SGLang engine (CUDA hosts, ``pip install 'adaflash[sglang]'``).
 
-``SGLangBackend`` gives the service, API, UI and hot-swap watcher the same surface as the
-embedded AdaFlash ``Engine`` + ``EngineRunner`` (``stream``, ``swap_drafter``, ``counters``,
-``version`` …), on top of SGLang's DFLASH speculative decoding (SPEC §8):
+``SGLangBackend`` implements ``app.backends.Backend`` (the surface the service, API, UI and
+hot-swap watcher use, as the embedded ``EngineRunner`` does) on top of SGLang's DFLASH
+speculative decoding (SPEC §8):
 
 - one event-loop thread owns the SGLang client: SGLang's tokenizer manager binds to the loop it
   first runs on, so every call (streams, aborts, weight updates) is submitted to that loop;
@@ -15,7 +15,7 @@ embedded AdaFlash ``Engine`` + ``EngineRunner`` (``stream``, ``swap_drafter``, `
   ``end_weight_update()``, then ``flush_cache`` retried until it succeeds); a failed swap puts
   the previous weights back and is refused, so serving goes on with the active version.
 
-What SGLang's stock DFLASH worker cannot give is listed in ``app.sglang_backend.LACKS``.
+What SGLang's stock DFLASH worker cannot give is listed in ``sglang_checks.LACKS``.
 ``EmbeddedSGLang`` is the only class that imports ``sglang``; everything else is tested on the
 CPU against a stand-in client (tests/app/test_sglang_engine.py). Not yet run on a GPU.
 """
@@ -140,10 +140,11 @@ class _Ended:
 
 
 class SGLangBackend:
-    """Engine + runner surface of the service, served by SGLang on its own loop thread."""
+    """The serving backend, served by SGLang on its own loop thread."""
 
     policy = "fixed"  # SGLang's DFLASH verifies the whole block every round
     gamma = 1.0
+    speculative = True  # SGLang serves with a DFlash drafter or not at all
 
     def __init__(
         self,
@@ -166,7 +167,6 @@ class SGLangBackend:
         self.block_size = drafter_cfg.block_size
         self.max_context = max_context or target_cfg.max_position_embeddings
         self.version = version
-        self.drafter: DrafterConfig | None = drafter_cfg  # truthy: speculation is on
         self.decode = decode
         self.sink = sink or NullSink()
         self.eos = tuple(eos_token_ids) or tuple(target_cfg.eos_token_ids)
@@ -175,7 +175,6 @@ class SGLangBackend:
         self.counters = SpecCounters(self.block_size)
         self.stats = EngineStats()
         self.running: dict[str, _Flight] = {}
-        self.waiting: tuple[()] = ()  # SGLang queues internally
         self.step_errors = 0
         self._weights = initial_weights  # what SGLang holds now (restored after a failed swap)
         self._lock = threading.Lock()
@@ -247,11 +246,12 @@ class SGLangBackend:
         return self._thread is not None and self._thread.is_alive()
 
     @property
-    def has_work(self) -> bool:
-        return bool(self.running)
+    def running_count(self) -> int:
+        return len(self.running)
 
-    def notify(self) -> None:
-        """Nothing to wake: SGLang schedules on its own."""
+    @property
+    def waiting_count(self) -> int:
+        return 0  # SGLang queues internally and does not say
 
     def abort_all(self) -> None:
         for flight in list(self.running.values()):

@@ -10,11 +10,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from app.schemas import ConfigRequest, PromoteRequest, RollbackRequest
+from app.api.schemas import ConfigRequest, PromoteRequest, RollbackRequest
+from app.api.streaming import ApiError
 from app.service import Service
-from app.streaming import ApiError
 from db.registry import VersionError
-from db.runs import list_runs, request_run
 
 
 def version_json(v: Any) -> dict[str, Any]:
@@ -59,60 +58,53 @@ def router(service: Service) -> APIRouter:
 
     r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
+    # every handler below touches the database or loads weights: off the event loop
     @r.post("/train")
     async def train() -> dict[str, Any]:
-        run_id = request_run(service.db, "admin")
-        return {
-            "run_id": run_id,
-            "trainer_running": service.trainer_alive(),
-            "note": None
-            if service.trainer_alive()
-            else "no trainer process is attached to this server; start `adaflash trainer` "
-            "with the same database URL to run the request",
-        }
+        run_id, note = await asyncio.to_thread(service.request_training)
+        return {"run_id": run_id, "trainer_running": service.trainer_alive(), "note": note}
 
     @r.get("/versions")
     async def versions() -> dict[str, Any]:
-        active = service.registry.active()
+        active, listed = await asyncio.to_thread(
+            lambda: (service.active_version(), service.versions())
+        )
         return {
-            "serving": service.engine.version,
+            "serving": service.backend.version,
             "active": active.id if active else None,
-            "versions": [version_json(v) for v in service.registry.list()],
+            "versions": [version_json(v) for v in listed],
             "last_swap_error": service.watcher.last_error,
         }
 
     @r.get("/runs")
     async def runs() -> dict[str, Any]:
-        return {"runs": [run_json(x) for x in list_runs(service.db)]}
+        return {"runs": [run_json(x) for x in await asyncio.to_thread(service.runs)]}
 
     @r.post("/promote")
     async def promote(body: PromoteRequest) -> dict[str, Any]:
         try:
-            v = service.registry.activate(body.version, reason=body.reason)
+            v = await asyncio.to_thread(service.promote, body.version, body.reason)
         except VersionError as exc:
             raise ApiError(409, str(exc), "conflict") from exc
-        await asyncio.to_thread(service.watcher.check)  # a swap may take a while (SGLang)
-        return {"active": v.id, "serving": service.engine.version}
+        return {"active": v.id, "serving": service.backend.version}
 
     @r.post("/rollback")
     async def rollback(body: RollbackRequest) -> dict[str, Any]:
         try:
-            v = service.registry.rollback(body.version)
+            v = await asyncio.to_thread(service.rollback, body.version)
         except VersionError as exc:
             raise ApiError(409, str(exc), "conflict") from exc
-        await asyncio.to_thread(service.watcher.check)  # a swap may take a while (SGLang)
         return {"active": v.id}
 
     @r.post("/config")
     async def config(body: ConfigRequest) -> dict[str, Any]:
         try:
-            service.engine.set_policy(body.policy, body.gamma)
+            service.configure(body.policy, body.gamma)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
-        service.runner.notify()
         return {
-            "policy": body.policy or service.engine.policy,
-            "gamma": body.gamma or service.engine.gamma,
+            "policy": body.policy or service.backend.policy,
+            "gamma": body.gamma or service.backend.gamma,
         }
 
     return r

@@ -12,9 +12,9 @@ from fastapi.responses import StreamingResponse
 
 from adaflash.engine.runner import StreamDelta
 from adaflash.metrics import SpecCounters
-from app.schemas import ChatCompletionRequest, CompletionRequest
+from app.api.schemas import ChatCompletionRequest, CompletionRequest
+from app.api.streaming import ApiError, check_error, collect, open_stream, sse
 from app.service import Service
-from app.streaming import ApiError, check_error, collect, open_stream, sse
 
 FINISH = {"stop": "stop", "length": "length"}
 
@@ -24,7 +24,7 @@ def spec_stats(service: Service, last: StreamDelta) -> dict[str, Any]:
     rec = last.record
     if rec is None:
         return {}
-    c = SpecCounters.from_totals(service.engine.block_size, rec.rounds, rec.verified, rec.accepted)
+    c = SpecCounters.from_totals(service.backend.block_size, rec.rounds, rec.verified, rec.accepted)
     return {
         "drafter_version": rec.drafter_version,
         "rounds": rec.rounds,
@@ -64,7 +64,7 @@ def router(service: Service) -> APIRouter:
                     "object": "model",
                     "created": int(service.started_at),
                     "owned_by": "adaflash",
-                    "max_model_len": service.engine.max_context,
+                    "max_model_len": service.backend.max_context,
                 }
             ],
         }

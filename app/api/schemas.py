@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from adaflash.config import Policy
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -110,5 +112,5 @@ class RollbackRequest(Strict):
 
 
 class ConfigRequest(Strict):
-    policy: Literal["ar", "fixed", "head"] | None = None
+    policy: Policy | None = None
     gamma: float | None = Field(default=None, gt=0.0, le=4.0)

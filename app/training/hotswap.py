@@ -12,32 +12,26 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from adaflash.models.drafter import DFlashDrafter
 from db.registry import Registry, VersionError
 
+if TYPE_CHECKING:
+    from app.backends import Backend
+
 log = logging.getLogger(__name__)
-
-
-class Swappable(Protocol):
-    """What the watcher needs of a serving engine (the embedded Engine, the SGLang backend)."""
-
-    version: str
-
-    def swap_drafter(self, drafter: DFlashDrafter, version: str) -> None: ...
 
 
 class VersionWatcher:
     def __init__(
         self,
-        engine: Swappable,
+        backend: Backend,
         registry: Registry,
         dtype: str,
         poll_s: float = 2.0,
         on_swap: Callable[[str], None] | None = None,
     ) -> None:
-        self.engine, self.registry, self.dtype, self.poll_s = engine, registry, dtype, poll_s
+        self.backend, self.registry, self.dtype, self.poll_s = backend, registry, dtype, poll_s
         self.on_swap = on_swap
         self.last_error: str | None = None
         self.refused: set[str] = set()
@@ -64,11 +58,11 @@ class VersionWatcher:
 
     def _check(self) -> str | None:
         active = self.registry.active()
-        if active is None or active.id == self.engine.version or active.id in self.refused:
+        if active is None or active.id == self.backend.version or active.id in self.refused:
             return None
         try:
             drafter = self.registry.load(active.id, self.dtype)
-            self.engine.swap_drafter(drafter, active.id)
+            self.backend.swap_drafter(drafter, active.id)
         except (VersionError, ValueError) as exc:
             self.refused.add(active.id)
             self.last_error = f"version {active.id} refused: {exc}"

@@ -52,7 +52,7 @@ async def open_stream(
     request_id: str | None = None,
 ) -> AsyncGenerator[StreamDelta, None]:
     """Start a generation; invalid requests raise ApiError(400) before anything streams."""
-    agen = service.runner.stream(prompt_ids, params, domain=domain, request_id=request_id)
+    agen = service.backend.stream(prompt_ids, params, domain=domain, request_id=request_id)
     try:
         first = await agen.__anext__()
     except ValueError as exc:
