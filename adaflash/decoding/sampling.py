@@ -16,9 +16,13 @@ def target_probs(
 
     top-k keeps the k largest logits; top-p then keeps the smallest prefix of the sorted
     distribution whose mass reaches p (the token crossing p is kept). temperature must be > 0.
+    Safe for every accepted value: the most likely token always survives top-k and top-p (a
+    top_p below float32's smallest number keeps exactly it), and the logits are shifted by
+    their maximum before dividing, so a tiny temperature gives a point mass, never NaN.
     """
     assert temperature > 0, "greedy decoding does not build a distribution"
-    x = logits.float() / temperature
+    x = logits.float()
+    x = (x - x.max(dim=-1, keepdim=True).values) / temperature  # ≤ 0, the maximum exactly 0
     if 0 < top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # (N, 1)
         x = x.masked_fill(x < kth, float("-inf"))
@@ -26,7 +30,9 @@ def target_probs(
     if top_p < 1.0:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
-        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+        drop = before >= top_p
+        drop[..., 0] = False  # the most likely token is always kept
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

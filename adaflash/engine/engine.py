@@ -12,12 +12,14 @@ between steps — so a hot swap never interrupts a round.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import queue
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,8 @@ from adaflash.models.kv_cache import KVCache
 from adaflash.models.length_head import verify_len
 from adaflash.models.target import PackedBatch, TargetModel, TargetOutput
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class EngineStats:
@@ -53,6 +57,8 @@ class EngineStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     swaps: int = 0
+    request_errors: int = 0  # requests ended by an error while being served
+    draft_errors: int = 0  # drafter passes that failed (those requests took a plain step)
 
 
 @dataclass
@@ -133,6 +139,7 @@ class Engine:
         self.running: list[Request] = []
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._ids = itertools.count()
+        self._suspects: set[int] = set()  # requests to run alone after a failed shared pass
 
     # -- thread-safe control surface ----------------------------------------------------------
     def add_request(
@@ -195,7 +202,12 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Run one scheduling step. Returns False when there was nothing to do."""
+        """Run one scheduling step. Returns False when there was nothing to do.
+
+        An error while serving one request ends that request alone (finish reason "error"):
+        per-request work is guarded request by request; when the shared target pass fails,
+        its requests are rolled back and retried one per step until the one that fails alone
+        is found."""
         self._apply_commands()
         self._admit()
         if not self.running:
@@ -203,6 +215,11 @@ class Engine:
         prefills = self._plan_prefill()
         ready = [r for r in self.running if r.prefill_done]
         chosen = ready[: self.admission.how_many(len(ready))]
+        self._suspects &= {id(r) for r in self.running}
+        if self._suspects:  # isolate: one suspect alone per step
+            suspect = next(r for r in self.running if id(r) in self._suspects)
+            prefills = [p for p in prefills if p.req is suspect]
+            chosen = [suspect] if suspect.prefill_done else []
 
         t0 = time.perf_counter()
         plans = self._draft(chosen)  # steps 1–3: draft_block, verify_len, drafts
@@ -212,14 +229,21 @@ class Engine:
         self.admission.update(len(plans), len(deferred))
         if not plans and not prefills:
             return False
-        out, rows = self._verify(plans, prefills)  # step 5: one packed target pass
+        try:
+            out, rows = self._verify(plans, prefills)  # step 5: one packed target pass
+        except Exception as exc:
+            self._pass_failed([p.req for p in plans] + [p.req for p in prefills], exc)
+            return True
         t2 = time.perf_counter()
 
         draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
         for plan, row in zip(plans, rows[: len(plans)], strict=True):
-            self._accept_and_commit(plan, out, row, len(plans), draft_ms, verify_ms)  # 6–8
+            with self._guard(plan.req):
+                self._accept_and_commit(plan, out, row, len(plans), draft_ms, verify_ms)  # 6–8
         for pre, row in zip(prefills, rows[len(plans) :], strict=True):
-            self._commit_prefill(pre, out, row)
+            with self._guard(pre.req):
+                self._commit_prefill(pre, out, row)
+        self._suspects -= {id(p.req) for p in plans} | {id(p.req) for p in prefills}
 
         self.stats.steps += 1
         self.stats.draft_s += t1 - t0
@@ -230,39 +254,83 @@ class Engine:
         ]  # round-robin: served requests go to the back
         return True
 
+    @contextlib.contextmanager
+    def _guard(self, r: Request) -> Iterator[None]:
+        """Run one request's part of a step; an exception ends that request with the reason."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("request %s failed in a step", r.id)
+            self.stats.request_errors += 1
+            if not r.finished:
+                self._fail(r, f"internal error while serving this request: {exc}")
+
+    def _pass_failed(self, reqs: list[Request], exc: Exception) -> None:
+        """The shared target pass raised: undo its partial cache writes; a lone request fails,
+        several become suspects that run alone until the culprit is found."""
+        log.exception("target pass over %d requests failed", len(reqs))
+        for r in reqs:
+            committed = r.prefilled if not r.prefill_done else r.anchor_pos
+            self.cache.truncate(r.slot, committed)
+        if len(reqs) == 1:
+            self.stats.request_errors += 1
+            self._fail(reqs[0], f"internal error while serving this request: {exc}")
+            self._suspects.discard(id(reqs[0]))
+        else:
+            self._suspects |= {id(r) for r in reqs}
+
+    def _fail(self, r: Request, error: str) -> None:
+        r.finish_reason = "error"
+        if r.on_event is not None:
+            r.on_event(TokenEvent(r.id, (), (), True, "error", error))
+        self._finish(r)
+
     def _draft(self, reqs: list[Request]) -> list[_Plan]:
         """Steps 1–3. One drafter pass for every request that speculates this step."""
-        plans: dict[int, _Plan] = {}
+        plans = {id(r): _Plan(r, 1, [], 0) for r in reqs}
         spec = [r for r in reqs if self._speculates(r)]
-        for r in reqs:
-            if not self._speculates(r):
-                plans[id(r)] = _Plan(r, 1, [], 0)
-        if spec:
-            assert self.drafter is not None
-            k = self.block_size
-            # 1. draft_block: [anchor, mask_token_id × (k−1)] at positions p … p+k−1
-            block_ids = torch.full((len(spec), k), self.drafter.cfg.mask_token_id)
-            block_ids[:, 0] = torch.tensor([r.anchor for r in spec])
-            positions = torch.tensor([r.anchor_pos for r in spec])[:, None] + torch.arange(k)
-            ctx = [self._drafter_context(r) for r in spec]
-            with torch.inference_mode():
-                block = self.target.embed_tokens(block_ids.to(self.target.device))  # (B, k, H)
-                states = self.drafter(block, positions, ctx)  # (B, k, H)
-                # 2. verify_len: k̂ per request (policy), never beyond the tokens still allowed
-                a_hat = self.drafter.length_head(states) if self.policy == "head" else None
-                if a_hat is not None:
-                    k_hat = verify_len(a_hat, k, self.gamma)
-                else:
-                    k_hat = torch.full((len(spec),), k)
-                k_hat = torch.minimum(k_hat, torch.tensor([r.tokens_left for r in spec]))
-                # 3. drafts: argmax of the target's LM head on the mask slots to be verified
-                drafts = self._draft_tokens(spec, states, int(k_hat.max()) - 1)
-            for i, r in enumerate(spec):
-                n = int(k_hat[i])
-                plans[id(r)] = _Plan(
-                    r, n, drafts[i][: n - 1], k - 1, None if a_hat is None else float(a_hat[i])
-                )
+        if not spec:
+            return [plans[id(r)] for r in reqs]
+        try:
+            plans.update(self._draft_plans(spec))
+        except Exception:  # a drafter failure costs this step its speculation, nothing more
+            log.exception("drafter pass failed; these requests take a plain step")
+            self.stats.draft_errors += 1
+            for r in spec:  # context rebuilt from raw features at the next draft
+                r.draft_slot, r.ctx_version, r.ctx_len = -1, None, 0
         return [plans[id(r)] for r in reqs]
+
+    def _draft_plans(self, spec: list[Request]) -> dict[int, _Plan]:
+        """Steps 1–3 for the requests that speculate: one drafter pass for all of them."""
+        assert self.drafter is not None
+        k = self.block_size
+        # 1. draft_block: [anchor, mask_token_id × (k−1)] at positions p … p+k−1
+        block_ids = torch.full((len(spec), k), self.drafter.cfg.mask_token_id)
+        block_ids[:, 0] = torch.tensor([r.anchor for r in spec])
+        positions = torch.tensor([r.anchor_pos for r in spec])[:, None] + torch.arange(k)
+        ctx = [self._drafter_context(r) for r in spec]
+        with torch.inference_mode():
+            block = self.target.embed_tokens(block_ids.to(self.target.device))  # (B, k, H)
+            states = self.drafter(block, positions, ctx)  # (B, k, H)
+            # 2. verify_len: k̂ per request (policy), never beyond the tokens still allowed
+            a_hat = self.drafter.length_head(states) if self.policy == "head" else None
+            if a_hat is not None:
+                k_hat = verify_len(a_hat, k, self.gamma)
+            else:
+                k_hat = torch.full((len(spec),), k)
+            k_hat = torch.minimum(k_hat, torch.tensor([r.tokens_left for r in spec]))
+            # 3. drafts: argmax over the draft vocabulary on the mask slots to be verified
+            drafts = self._draft_tokens(spec, states, int(k_hat.max()) - 1)
+        return {
+            id(r): _Plan(
+                r,
+                int(k_hat[i]),
+                drafts[i][: int(k_hat[i]) - 1],
+                k - 1,
+                None if a_hat is None else float(a_hat[i]),
+            )
+            for i, r in enumerate(spec)
+        }
 
     def _draft_tokens(
         self, reqs: list[Request], states: torch.Tensor, width: int

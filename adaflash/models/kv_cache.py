@@ -48,6 +48,10 @@ class KVCache:
     def __contains__(self, slot: int) -> bool:
         return slot in self._data
 
+    def __len__(self) -> int:
+        """Slots in use."""
+        return len(self._data)
+
     # -- reading and writing -----------------------------------------------------------------
     def length(self, slot: int) -> int:
         return self._len[slot]
