@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -331,12 +332,11 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     service.start()
     logging.getLogger("adaflash.trainer").info("trainer running; Ctrl-C stops it")
     stop.wait()
-    if service.stop():
-        # a round was cut short and recorded as failed; its Lightning thread would hold the
-        # interpreter until the round ends, and nothing of it is needed any more
-        logging.shutdown()
-        os._exit(0)
-    return 0
+    service.stop()
+    # Runs are recorded (a round cut short as failed, its Lightning thread would otherwise hold
+    # the interpreter until it ends); skip the seconds of torch/lightning teardown.
+    logging.shutdown()
+    os._exit(0)
 
 
 def _add_trainer(sub: argparse._SubParsersAction) -> None:
@@ -426,7 +426,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     server.run()
     print("AdaFlash stopped.", flush=True)
-    return 0
+    # Everything is persisted and every thread has stopped; skip the interpreter's teardown of
+    # torch and gradio, which takes seconds on an idle server.
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

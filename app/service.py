@@ -296,13 +296,16 @@ class Service:
             )
 
     def stop(self) -> None:
-        """Finish or cancel streams, flush the queue, stop the trainer."""
+        """Finish or cancel streams, flush the queue, stop the trainer (in parallel: the trainer
+        process gets its signal first, while streams drain)."""
+        t0 = time.perf_counter()
+        if self.trainer is not None and self.trainer.poll() is None:
+            self.trainer.terminate()  # it records a run it was in the middle of as failed
         self.backend.stop(drain_timeout_s=self.cfg.drain_seconds)
         self.watcher.stop()
         if not self.writer.stop(timeout_s=15):
             log.error("could not flush %d buffered records before exit", self.writer.stats.pending)
-        if self.trainer is not None and self.trainer.poll() is None:
-            self.trainer.terminate()  # it marks a run it was in the middle of as failed
+        if self.trainer is not None:
             try:
                 self.trainer.wait(20)
             except subprocess.TimeoutExpired:
@@ -314,7 +317,8 @@ class Service:
             settings.unlink(missing_ok=True)
         self.db.dispose()
         log.warning(
-            "stopped: %d trajectories and %d rounds written, %d records dropped",
+            "stopped in %.1f s: %d trajectories and %d rounds written, %d records dropped",
+            time.perf_counter() - t0,
             self.writer.stats.written_trajectories,
             self.writer.stats.written_rounds,
             self.sink.dropped,

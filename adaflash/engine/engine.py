@@ -411,6 +411,8 @@ class Engine:
         r.rounds += 1
         r.accepted += acc.accepted
         r.verified += plan.verify_len - 1
+        r.draft_ms += draft_ms if plan.drafted else 0.0
+        r.verify_ms += verify_ms
         emitted = self._emit(r, tokens, kinds)
         # 8. record
         self.counters.add_round(plan.verify_len, acc.accepted, plan.drafted)
@@ -524,6 +526,8 @@ class Engine:
             accepted=r.accepted,
             created_at=r.created_at,
             finished_at=time.time(),
+            draft_ms=r.draft_ms,
+            verify_ms=r.verify_ms,
         )
         self.sink.offer(record)
         if r.on_finish is not None:

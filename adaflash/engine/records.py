@@ -56,6 +56,9 @@ class RequestRecord:
     created_at: float
     finished_at: float
     meta: dict[str, str] = field(default_factory=dict)
+    # wall time of the drafter / target passes this request took part in (None: not reported)
+    draft_ms: float | None = 0.0
+    verify_ms: float | None = 0.0
 
 
 Record = RoundRecord | RequestRecord

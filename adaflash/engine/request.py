@@ -78,6 +78,8 @@ class Request:
     rounds: int = 0
     accepted: int = 0
     verified: int = 0  # drafts sent to the target, Σ(k̂ − 1)
+    draft_ms: float = 0.0  # time of the drafter passes it was in (shared with its batch)
+    verify_ms: float = 0.0  # time of the target passes that verified it
     drafter_version: str = ""
     stop_text: str | None = None  # decoded text when stop strings are in use
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from app.api.schemas import ConfigRequest, PromoteRequest, RollbackRequest
+from app.api.schemas import ADMIN_RESPONSES, ConfigRequest, PromoteRequest, RollbackRequest
 from app.api.streaming import ApiError
 from app.service import Service
 from db.registry import VersionError
@@ -56,7 +56,12 @@ def router(service: Service) -> APIRouter:
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             raise ApiError(401, "missing or wrong bearer token", "authentication_error")
 
-    r = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
+    r = APIRouter(
+        prefix="/admin",
+        tags=["admin"],
+        dependencies=[Depends(require_admin)],
+        responses=ADMIN_RESPONSES,
+    )
 
     # every handler below touches the database or loads weights: off the event loop
     @r.post("/train")

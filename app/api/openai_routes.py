@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from adaflash.engine.runner import StreamDelta
 from adaflash.metrics import SpecCounters
-from app.api.schemas import ChatCompletionRequest, CompletionRequest
+from app.api.schemas import GENERATION_RESPONSES, ChatCompletionRequest, CompletionRequest
 from app.api.streaming import ApiError, check_error, collect, open_stream, sse
 from app.service import Service
 
@@ -69,7 +69,7 @@ def router(service: Service) -> APIRouter:
             ],
         }
 
-    @r.post("/v1/chat/completions", response_model=None)
+    @r.post("/v1/chat/completions", response_model=None, responses=GENERATION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         check_model(body.model)
         try:
@@ -92,7 +92,7 @@ def router(service: Service) -> APIRouter:
             )
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
-        deltas = await open_stream(service, prompt, params, body.domain)
+        deltas = await open_stream(service, request, prompt, params, body.domain)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "created": created, "model": service.model_name}
         if body.stream:
@@ -119,7 +119,7 @@ def router(service: Service) -> APIRouter:
             "adaflash": spec_stats(service, out[-1]),
         }
 
-    @r.post("/v1/completions", response_model=None)
+    @r.post("/v1/completions", response_model=None, responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_model(body.model)
         try:
@@ -141,7 +141,7 @@ def router(service: Service) -> APIRouter:
             )
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
-        deltas = await open_stream(service, prompt, params, body.domain)
+        deltas = await open_stream(service, request, prompt, params, body.domain)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "created": int(time.time()),

@@ -2,19 +2,23 @@
 
 Errors always come back as JSON ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
 for anything the client can fix: validation errors and malformed JSON (400), oversized bodies
-(413), unknown models (404), disabled or unauthorised admin calls (403/401).
+(413), unknown models (404), disabled or unauthorised admin calls (403/401). The OpenAPI
+document says exactly that (FastAPI's default 422 is replaced by 400).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,6 +26,8 @@ from adaflash import __version__
 from app.api import admin_routes, metrics, openai_routes, sglang_routes
 from app.api.streaming import ApiError
 from app.service import Service
+
+access_log = logging.getLogger("adaflash.access")
 
 
 class BodyLimit:
@@ -67,6 +73,40 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": resp.body})
 
 
+class AccessLog:
+    """One log line per HTTP request when its response has been sent: method, path, status,
+    seconds, and for generations the token counts, τ, verify length and finish reason that the
+    route left in ``request.state.access``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path", "").startswith("/ui"):
+            await self.app(scope, receive, send)
+            return
+        t0, status = time.perf_counter(), 0
+
+        async def logged(msg: Message) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+            if msg["type"] == "http.response.body" and not msg.get("more_body"):
+                extra = scope.get("state", {}).get("access") or {}
+                fields = " ".join(f"{k}={v}" for k, v in extra.items())
+                access_log.info(
+                    "%s %s %d %.3fs %s",
+                    scope["method"],
+                    scope["path"],
+                    status,
+                    time.perf_counter() - t0,
+                    fields,
+                )
+
+        await self.app(scope, receive, logged)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for err in exc.errors():
@@ -100,6 +140,7 @@ def create_app(service: Service, ui: bool = True) -> FastAPI:
         "compatible APIs, Prometheus metrics, admin, and a Gradio UI.",
     )
     app.add_middleware(BodyLimit, limit=service.cfg.max_body_bytes)
+    app.add_middleware(AccessLog)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -125,11 +166,41 @@ def create_app(service: Service, ui: bool = True) -> FastAPI:
     app.include_router(sglang_routes.router(service))
     app.include_router(admin_routes.router(service))
 
-    @app.get("/metrics", tags=["ops"])
+    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
-        return Response(
+        return PlainTextResponse(
             metrics.render(service), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI documents validation errors as 422; this server answers them with 400 (as
+        the OpenAI API does), documented on every route that takes a body."""
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    responses = op.get("responses", {})
+                    if responses.pop("422", None) is not None and "400" not in responses:
+                        responses["400"] = {
+                            "description": "invalid request",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/ErrorResponse"}
+                                }
+                            },
+                        }
+            comps = schema.get("components", {}).get("schemas", {})
+            comps.pop("HTTPValidationError", None)
+            comps.pop("ValidationError", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.get("/", include_in_schema=False)
     async def root() -> Any:

@@ -4,7 +4,9 @@
 streaming chunks carry the cumulative ``text`` and ``meta_info`` (SGLang's default), ended by
 ``data: [DONE]``; ``meta_info`` has ``prompt_tokens``, ``completion_tokens`` and the speculative
 statistics ``spec_accept_length`` (tokens per round, bonus included), ``spec_accept_rate``,
-``spec_verify_ct`` (rounds) and ``spec_verify_len`` (mean positions verified per round).
+``spec_verify_ct`` (rounds), ``spec_verify_len`` (mean positions verified per round), and
+``spec_draft_time_ms`` / ``spec_verify_time_ms`` (wall time of the drafter and target passes
+this request was part of; a batched pass counts fully for each of its requests).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from adaflash.engine.runner import StreamDelta
 from adaflash.metrics import SpecCounters
-from app.api.schemas import GenerateRequest
+from app.api.schemas import GENERATION_RESPONSES, ErrorResponse, GenerateRequest
 from app.api.streaming import ApiError, collect, open_stream, sse
 from app.service import Service
 
@@ -53,6 +55,8 @@ def meta_info(
             spec_accept_rate=round(c.acceptance_rate, 4),
             spec_verify_ct=rec.rounds,
             spec_verify_len=round(c.verify_len, 4),
+            spec_draft_time_ms=None if rec.draft_ms is None else round(rec.draft_ms, 3),
+            spec_verify_time_ms=None if rec.verify_ms is None else round(rec.verify_ms, 3),
             drafter_version=rec.drafter_version,
         )
     return info
@@ -61,7 +65,7 @@ def meta_info(
 def router(service: Service) -> APIRouter:
     r = APIRouter(tags=["sglang"])
 
-    @r.post("/generate", response_model=None)
+    @r.post("/generate", response_model=None, responses=GENERATION_RESPONSES)
     async def generate(body: GenerateRequest, request: Request) -> Any:
         if (body.text is None) == (body.input_ids is None):
             raise ApiError(400, "send exactly one of text or input_ids")
@@ -77,7 +81,7 @@ def router(service: Service) -> APIRouter:
             params = service.sampling(
                 temperature=sp.temperature,
                 top_p=sp.top_p,
-                top_k=0 if sp.top_k in (-1, 0) else sp.top_k,
+                top_k=None if sp.top_k is None else max(sp.top_k, 0),  # SGLang's -1: off
                 max_new_tokens=sp.max_new_tokens,
                 stop=stops,
                 stop_token_ids=tuple(sp.stop_token_ids or ()),
@@ -88,7 +92,7 @@ def router(service: Service) -> APIRouter:
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
         started = time.perf_counter()
-        deltas = await open_stream(service, prompt, params, body.domain, body.rid)
+        deltas = await open_stream(service, request, prompt, params, body.domain, body.rid)
         if body.stream:
             return StreamingResponse(
                 events(service, deltas, len(prompt), started), media_type="text/event-stream"
@@ -109,12 +113,16 @@ def router(service: Service) -> APIRouter:
             "is_generation": True,
         }
 
-    @r.api_route("/flush_cache", methods=["GET", "POST"])
+    @r.api_route("/flush_cache", methods=["GET", "POST"], response_class=PlainTextResponse)
     async def flush_cache() -> PlainTextResponse:
         # KV slots are per request and freed when it ends: there is no shared prefix cache.
         return PlainTextResponse("Cache flushed.\n")
 
-    @r.get("/health")
+    @r.get(
+        "/health",
+        response_class=PlainTextResponse,
+        responses={503: {"model": ErrorResponse, "description": "the engine is not running"}},
+    )
     async def health() -> PlainTextResponse:
         if not service.backend.alive:
             raise ApiError(503, "engine thread is not running", "server_error")

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from adaflash.config import SamplingParams
 from adaflash.engine.runner import StreamDelta
+from adaflash.metrics import SpecCounters
 from app.service import Service
 
 
@@ -46,12 +47,14 @@ class ApiError(Exception):
 
 async def open_stream(
     service: Service,
+    request: Request,
     prompt_ids: list[int],
     params: SamplingParams,
     domain: str | None,
     request_id: str | None = None,
 ) -> AsyncGenerator[StreamDelta, None]:
-    """Start a generation; invalid requests raise ApiError(400) before anything streams."""
+    """Start a generation; invalid requests raise ApiError(400) before anything streams. When
+    the stream ends, its totals go to ``request.state.access`` for the access log."""
     agen = service.backend.stream(prompt_ids, params, domain=domain, request_id=request_id)
     try:
         first = await agen.__anext__()
@@ -61,12 +64,35 @@ async def open_stream(
         raise ApiError(500, "generation ended without output", "server_error") from exc
 
     async def chained() -> AsyncGenerator[StreamDelta, None]:
-        async with contextlib.aclosing(agen):
-            yield first
-            async for d in agen:
-                yield d
+        tokens, last = 0, first
+        try:
+            async with contextlib.aclosing(agen):
+                yield first
+                tokens += len(first.token_ids)
+                async for d in agen:
+                    tokens, last = tokens + len(d.token_ids), d
+                    yield d
+        finally:
+            request.state.access = access_fields(service, len(prompt_ids), tokens, last)
 
     return chained()
+
+
+def access_fields(
+    service: Service, prompt: int, completion: int, last: StreamDelta
+) -> dict[str, Any]:
+    """What the access log says about a generation (τ and verify length from its record)."""
+    out: dict[str, Any] = {"prompt": prompt, "completion": completion}
+    out["finish"] = last.finish_reason if last.finished else "cancelled"
+    rec = last.record
+    if rec is not None and rec.rounds:
+        c = SpecCounters.from_totals(
+            service.backend.block_size, rec.rounds, rec.verified, rec.accepted
+        )
+        out["tau"] = round(c.accept_len, 3)
+        out["verify_len"] = round(c.verify_len, 3)
+        out["drafter"] = rec.drafter_version
+    return out
 
 
 async def collect(request: Request, deltas: AsyncGenerator[StreamDelta, None]) -> list[StreamDelta]:

@@ -25,6 +25,8 @@ LACKS = (
     "per-round records (SGLang reports per-request totals in meta_info['spec_*'] only), so the "
     "dashboard's per-slot acceptance curve stays empty",
     "token provenance colours in the chat view",
+    "per-request draft and verify time (meta_info spec_draft_time_ms / spec_verify_time_ms are "
+    "null)",
 )
 
 # Parameter names SGLang's DFlashDraftModel.load_weights maps (the fused qkv/gate_up are built

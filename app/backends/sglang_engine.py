@@ -470,6 +470,8 @@ class SGLangBackend:
             created_at=flight.started if flight else now,
             finished_at=now,
             meta={"backend": "sglang"},
+            draft_ms=None,  # SGLang's meta_info does not split draft and verify time
+            verify_ms=None,
         )
         self.counters = self.counters + SpecCounters.from_totals(
             self.block_size, rounds, verified, accepted, drafted=verified

@@ -201,3 +201,47 @@ def test_trainer_service_runs_on_threshold_and_on_admin_request(db, online, tiny
     out = service.tick()
     assert out is not None and out.status == "skipped"  # 3 < min_samples 4: nothing to learn
     assert list_runs(db)[0].trigger == "admin"
+
+
+def test_a_trainer_stopped_mid_run_records_the_run_failed(db, db_url, online, tiny, tmp_path):
+    """SIGTERM (what `serve` sends at shutdown) while a run trains: the process exits promptly
+    and the run's row says failed and why, instead of staying 'running'. Its settings come from
+    the JSON that `serve` writes."""
+    import json
+
+    folder, _, _ = tiny
+    registry, _ = online
+    settings = tmp_path / "settings.json"
+    slow = OnlineConfig(
+        min_new=4, min_samples=4, distill=DistillConfig(epochs=400, anchors_per_seq=8)
+    )
+    settings.write_text(
+        json.dumps({"online": slow.to_dict(), "trainer": {"poll_s": 0.3, "nice": 0}})
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "trainer",
+        "--database-url",
+        db_url,
+        "--weights-dir",
+        str(registry.weights_dir),
+        "--target",
+        str(folder),
+        "--settings",
+        str(settings),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (list_runs(db) and list_runs(db)[0].status == "running"):
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.2)
+    time.sleep(1.0)  # inside the 400-epoch fit
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert time.time() - t0 < 10
+    run = list_runs(db)[0]
+    assert run.status == "failed" and "shut down" in (run.error or "")
+    assert [v.id for v in registry.list()] == ["v0000"]
