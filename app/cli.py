@@ -201,6 +201,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         ]
         for domain in sorted({s.domain for s in seqs}):
             curve_sets[domain] = [s for s in seqs if s.domain == domain][: args.curve_seqs]
+    curve_path = Path(args.curve) if args.curve else None
+
+    def write_curve(points: list[dict[str, Any]]) -> None:
+        """Keep the earlier runs' points (up to where this one starts) and add this run's."""
+        assert curve_path is not None
+        old = json.loads(curve_path.read_text()) if curve_path.is_file() else {"points": []}
+        kept = [p for p in old["points"] if p["blocks"] < (offset or 1)]
+        curve_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = curve_path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps({"points": kept + [{**p, "run": args.title} for p in points]}, indent=1)
+            + "\n"
+        )
+        os.replace(tmp, curve_path)
+
     result = fit(
         drafter,
         target,
@@ -211,15 +226,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         curve_sets=curve_sets,
         curve_every=args.curve_every,
         blocks_offset=offset,
+        on_curve=write_curve if curve_path else None,
     )
-    if args.curve:
-        curve_path = Path(args.curve)
-        old = json.loads(curve_path.read_text()) if curve_path.is_file() else {"points": []}
-        old["points"] = [p for p in old["points"] if p["blocks"] < (offset or 1)] + [
-            {**p, "run": args.title} for p in result.curve
-        ]
-        curve_path.parent.mkdir(parents=True, exist_ok=True)
-        curve_path.write_text(json.dumps(old, indent=1) + "\n")
     data = {
         "trajectories": [str(p) for p in args.trajectories],
         "sequences": len(train),

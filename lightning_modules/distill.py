@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -47,8 +47,10 @@ class DrafterDistillation(L.LightningModule):
         curve_sets: Mapping[str, Sequence[CachedSequence]] | None = None,
         curve_every: int = 0,
         blocks_offset: int = 0,
+        on_curve: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         super().__init__()
+        self.on_curve = on_curve  # called with the curve so far after each new point
         self.drafter = drafter
         self._frozen = (target,)  # a tuple keeps the target out of parameters and checkpoints
         self.cfg = cfg
@@ -118,6 +120,8 @@ class DrafterDistillation(L.LightningModule):
         if self.curve_every and self.blocks_seen >= self._next_curve:
             self._next_curve = self.blocks_seen + self.curve_every
             self.curve.append(self.measure_curve())
+            if self.on_curve is not None:
+                self.on_curve(self.curve)
 
     def measure_curve(self) -> dict[str, Any]:
         """Simulated τ per held-out set now (one point of the learning curve)."""

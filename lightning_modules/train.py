@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +116,7 @@ def fit(
     curve_sets: Mapping[str, Sequence[CachedSequence]] | None = None,
     curve_every: int = 0,
     blocks_offset: int = 0,
+    on_curve: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> TrainResult:
     """One training run with a fresh Trainer on trajectories (taught in memory first) or cached
     sequences. The drafter trains in fp32 (bf16 autocast when configured); the target stays
@@ -123,7 +124,9 @@ def fit(
     drafter.float().train().requires_grad_(True)
     train_seqs = cached(target, train, drafter, cfg.top_k)
     val_seqs = cached(target, val or [], drafter, cfg.top_k)
-    module = DrafterDistillation(drafter, target, cfg, curve_sets, curve_every, blocks_offset)
+    module = DrafterDistillation(
+        drafter, target, cfg, curve_sets, curve_every, blocks_offset, on_curve
+    )
     data = TeacherDataModule(train_seqs, val_seqs, batch_size=cfg.batch_size, seed=cfg.seed)  # type: ignore[arg-type]
     trainer = L.Trainer(
         accelerator="cpu" if not torch.cuda.is_available() else "auto",
@@ -152,6 +155,8 @@ def fit(
         val_tau = module.val_counters.accept_len if module.val_counters.rounds else None
     if curve_every and curve_sets:
         module.curve.append(module.measure_curve())  # the run's end is always a point
+        if on_curve is not None:
+            on_curve(module.curve)
     drafter.eval().requires_grad_(False)
     return TrainResult(
         drafter,

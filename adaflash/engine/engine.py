@@ -31,7 +31,7 @@ from adaflash.engine.detokenize import cut_at_stop
 from adaflash.engine.records import NullSink, RecordSink, RequestRecord, RoundRecord
 from adaflash.engine.request import (
     EventCallback,
-    FeatureBuffer,
+    FeatureStore,
     Request,
     TokenEvent,
     check_request,
@@ -122,6 +122,7 @@ class Engine:
         self.cache: KVCache = target.new_cache()
         self.drafter: DFlashDrafter | None = None
         self.draft_cache: KVCache | None = None
+        self.features: FeatureStore | None = None
         self.version = "none"
         self.block_size = DEFAULT_BLOCK_SIZE
         if drafter is not None:
@@ -404,8 +405,8 @@ class Engine:
         )
         # 7. commit: keep anchor + accepted drafts in the KV cache and the drafter context
         self.cache.truncate(r.slot, r.anchor_pos + acc.accepted + 1)
-        if r.features is not None and out.features is not None:
-            r.features.append(out.features[first : first + acc.accepted + 1])
+        if r.features is not None and self.features is not None and out.features is not None:
+            self.features.append(r.features, out.features[first : first + acc.accepted + 1])
         tokens = [*plan.drafts[: acc.accepted], acc.bonus_token]
         kinds = ["draft"] * acc.accepted + ["target"]
         r.rounds += 1
@@ -439,8 +440,8 @@ class Engine:
 
     def _commit_prefill(self, pre: _Prefill, out: TargetOutput, row: tuple[int, int, int]) -> None:
         r, (first, n, logit_row) = pre.req, row
-        if r.features is not None and out.features is not None:
-            r.features.append(out.features[first : first + n])
+        if r.features is not None and self.features is not None and out.features is not None:
+            self.features.append(r.features, out.features[first : first + n])
         r.prefilled += n
         self.stats.prompt_tokens += n
         if not r.prefill_done:
@@ -472,7 +473,8 @@ class Engine:
         if r.ctx_version != self.version or r.draft_slot not in self.draft_cache:
             r.draft_slot = self.draft_cache.allocate()
             r.ctx_len, r.ctx_version = 0, self.version
-        new = r.features.view(r.ctx_len)  # (n, K·H)
+        assert self.features is not None
+        new = self.features.view(r.features, r.ctx_len)  # (n, K·H)
         if new.shape[0]:
             positions = torch.arange(r.ctx_len, r.ctx_len + new.shape[0])
             self.draft_cache.reserve(r.draft_slot, new.shape[0])
@@ -507,6 +509,8 @@ class Engine:
         self.cache.free(r.slot)
         if self.draft_cache is not None:
             self.draft_cache.free(r.draft_slot)
+        if r.features is not None and self.features is not None:
+            self.features.free(r.features)
         self.running = [x for x in self.running if x is not r]
         self.stats.requests_finished += 1
         text = r.stop_text
@@ -548,9 +552,8 @@ class Engine:
         while self.waiting and len(self.running) < self.cfg.max_running_requests:
             r = self.waiting.popleft()
             r.slot = self.cache.allocate()
-            if self.drafter is not None:
-                width = self.drafter.cfg.num_features * self.target.cfg.hidden_size
-                r.features = FeatureBuffer(width, self.target.dtype)
+            if self.features is not None:
+                r.features = self.features.allocate()
             r.drafter_version = self.version
             self.running.append(r)
 
@@ -563,6 +566,10 @@ class Engine:
         self.draft_cache = KVCache(
             c.num_layers, c.num_kv_heads, c.head_dim, self.target.dtype, self.target.device
         )
+        if self.features is None:  # a hot swap keeps the layers, hence the width
+            self.features = FeatureStore(
+                c.num_features * self.target.cfg.hidden_size, self.target.dtype
+            )
         if self.cfg.max_batch_tokens < c.block_size:
             raise ValueError(
                 f"max_batch_tokens ({self.cfg.max_batch_tokens}) must hold one full block "

@@ -10,33 +10,54 @@ import torch
 
 from adaflash.config import SamplingParams
 from adaflash.engine.records import RequestRecord
+from adaflash.models.kv_cache import Rows
 
 
-class FeatureBuffer:
-    """Growing (n, K·H) store of the target features of committed positions (drafter context).
+class FeatureStore:
+    """The target features of every request's committed positions (the drafter context), in one
+    pool (rows, capacity, K·H) that grows by doubling and is never freed per request (see
+    ``models/kv_cache.py`` for why). Kept raw, before the drafter's ``fc``, so the drafter
+    context can be rebuilt after a hot swap."""
 
-    Kept raw (before the drafter's ``fc``) so the drafter context can be rebuilt after a hot swap.
-    """
+    def __init__(self, width: int, dtype: torch.dtype, capacity: int = 256, rows: int = 4) -> None:
+        self.data = torch.zeros(rows, capacity, width, dtype=dtype)
+        self.rows = Rows()
+        self.length: dict[int, int] = {}
 
-    def __init__(self, width: int, dtype: torch.dtype, capacity: int = 256) -> None:
-        self.data = torch.empty(capacity, width, dtype=dtype)
-        self.length = 0
+    def allocate(self) -> int:
+        if len(self.rows) == self.data.shape[0]:
+            self._resize(2 * len(self.rows), self.data.shape[1])
+        slot, _ = self.rows.add()
+        self.length[slot] = 0
+        return slot
 
-    def append(self, rows: torch.Tensor) -> None:
-        n = rows.shape[0]
-        if self.length + n > self.data.shape[0]:
-            grown = torch.empty(
-                max(2 * self.data.shape[0], self.length + n),
-                self.data.shape[1],
-                dtype=self.data.dtype,
-            )
-            grown[: self.length] = self.data[: self.length]
-            self.data = grown
-        self.data[self.length : self.length + n] = rows
-        self.length += n
+    def free(self, slot: int) -> None:
+        if slot not in self.rows.row:
+            return
+        moved = self.rows.remove(slot)
+        self.length.pop(slot)
+        if moved is not None:
+            other, src, dst = moved
+            n = self.length[other]
+            self.data[dst, :n] = self.data[src, :n]
 
-    def view(self, start: int = 0) -> torch.Tensor:
-        return self.data[start : self.length]
+    def append(self, slot: int, rows: torch.Tensor) -> None:
+        """rows (n, K·H) after the slot's committed features."""
+        start, n = self.length[slot], rows.shape[0]
+        if start + n > self.data.shape[1]:
+            self._resize(self.data.shape[0], max(start + n, 2 * self.data.shape[1]))
+        self.data[self.rows.row[slot], start : start + n] = rows
+        self.length[slot] = start + n
+
+    def view(self, slot: int, start: int = 0) -> torch.Tensor:
+        """(n, K·H) features of positions start … committed − 1."""
+        return self.data[self.rows.row[slot], start : self.length[slot]]
+
+    def _resize(self, rows: int, capacity: int) -> None:
+        grown = torch.zeros(rows, capacity, self.data.shape[2], dtype=self.data.dtype)
+        used, longest = len(self.rows), max(self.length.values(), default=0)
+        grown[:used, :longest] = self.data[:used, :longest]
+        self.data = grown
 
 
 @dataclass(frozen=True)
@@ -70,7 +91,7 @@ class Request:
     draft_slot: int = -1  # drafter context KV slot
     prefilled: int = 0  # prompt tokens already in the target cache
     output_ids: list[int] = field(default_factory=list)
-    features: FeatureBuffer | None = None
+    features: int | None = None  # slot in the engine's FeatureStore (None: no drafter)
     ctx_version: str | None = None  # drafter version whose context KV is in draft_slot
     ctx_len: int = 0  # feature rows already projected into draft_slot
     generator: torch.Generator | None = None

@@ -1,13 +1,51 @@
-"""Per-request key/value cache slots for packed ragged batches.
+"""Key/value cache slots for packed ragged batches, in one preallocated pool.
 
-Each slot owns one tensor (layers, 2, kv_heads, capacity, head_dim) that grows by doubling, and a
-committed length. A forward pass writes new keys/values after the committed length; the engine
-then calls ``truncate`` to keep only what the target accepted (partial acceptance).
+Every layer's keys and values of every slot live in one tensor
+``(layers, 2, rows, kv_heads, capacity, head_dim)``, written in place. A slot is a stable id that
+maps to a row; the rows in use are always ``0 … len(self) − 1`` (freeing a slot moves the last
+row's data into its row), so ``layer(l)`` is a view over every live request at once — what
+batched attention reads without copying. Rows and capacity grow by doubling when a request
+needs more (the pool moves then, rarely); nothing is allocated or freed per request, so a long
+running server does not fragment its heap (a per-request tensor did: RSS crept up under load).
+
+A forward pass writes new keys/values after a slot's committed length; the engine then calls
+``truncate`` to keep only what the target accepted (partial acceptance).
 """
 
 from __future__ import annotations
 
 import torch
+
+
+class Rows:
+    """Stable slot ids over compacted rows ``0 … n−1`` (the KV pool and the feature pool use
+    it): freeing a slot moves the last row into the freed one."""
+
+    def __init__(self) -> None:
+        self.row: dict[int, int] = {}  # slot id → row
+        self.slots: list[int] = []  # row → slot id
+        self._next = 0
+
+    def add(self) -> tuple[int, int]:
+        slot, row = self._next, len(self.slots)
+        self._next += 1
+        self.row[slot] = row
+        self.slots.append(slot)
+        return slot, row
+
+    def remove(self, slot: int) -> tuple[int, int, int] | None:
+        """Forget ``slot``. Returns (moved slot, its old row, its new row) when the last row
+        moved into the freed one, else None (the caller moves the data)."""
+        row = self.row.pop(slot)
+        last = self.slots.pop()
+        if last == slot:
+            return None
+        self.row[last] = row
+        self.slots[row] = last
+        return last, len(self.slots), row
+
+    def __len__(self) -> int:
+        return len(self.slots)
 
 
 class KVCache:
@@ -19,55 +57,77 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         initial_capacity: int = 256,
+        initial_rows: int = 4,
     ) -> None:
-        self.shape = (num_layers, 2, kv_heads, head_dim)
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        self.initial_capacity = initial_capacity
-        self._data: dict[int, torch.Tensor] = {}
-        self._len: dict[int, int] = {}
-        self._next = 0
+        self.data = self._empty(max(initial_rows, 1), max(initial_capacity, 1))
+        self.rows = Rows()
+        self._len: dict[int, int] = {}  # slot id → committed length
+
+    def _empty(self, rows: int, capacity: int) -> torch.Tensor:
+        return torch.zeros(
+            self.num_layers,
+            2,
+            rows,
+            self.kv_heads,
+            capacity,
+            self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[4]
 
     # -- slot life cycle ---------------------------------------------------------------------
     def allocate(self) -> int:
-        slot = self._next
-        self._next += 1
-        layers, two, heads, dim = self.shape
-        self._data[slot] = torch.empty(
-            layers, two, heads, self.initial_capacity, dim, dtype=self.dtype, device=self.device
-        )
+        if len(self.rows) == self.data.shape[2]:
+            self._resize(2 * len(self.rows), self.capacity)
+        slot, _ = self.rows.add()
         self._len[slot] = 0
         return slot
 
     def free(self, slot: int) -> None:
-        self._data.pop(slot, None)
-        self._len.pop(slot, None)
+        """Release a slot; the last row in use moves into its row (its committed part only)."""
+        if slot not in self.rows.row:
+            return
+        moved = self.rows.remove(slot)
+        self._len.pop(slot)
+        if moved is not None:
+            other, src, dst = moved
+            n = self._len[other]
+            self.data[:, :, dst, :, :n] = self.data[:, :, src, :, :n]
 
     def clear(self, slot: int) -> None:
         self._len[slot] = 0
 
     def __contains__(self, slot: int) -> bool:
-        return slot in self._data
+        return slot in self.rows.row
 
     def __len__(self) -> int:
-        """Slots in use."""
-        return len(self._data)
+        """Slots in use (= rows in use)."""
+        return len(self.rows)
+
+    def _resize(self, rows: int, capacity: int) -> None:
+        grown = self._empty(rows, capacity)
+        used, longest = len(self.rows), max(self._len.values(), default=0)
+        grown[:, :, :used, :, :longest] = self.data[:, :, :used, :, :longest]
+        self.data = grown
 
     # -- reading and writing -----------------------------------------------------------------
+    def row(self, slot: int) -> int:
+        return self.rows.row[slot]
+
     def length(self, slot: int) -> int:
         return self._len[slot]
 
     def reserve(self, slot: int, extra: int) -> None:
         """Make room for ``extra`` tokens after the committed length."""
-        data = self._data[slot]
         need = self._len[slot] + extra
-        if need <= data.shape[3]:
-            return
-        cap = max(need, 2 * data.shape[3])
-        grown = torch.empty(
-            *data.shape[:3], cap, data.shape[4], dtype=self.dtype, device=self.device
-        )
-        grown[:, :, :, : self._len[slot]] = data[:, :, :, : self._len[slot]]
-        self._data[slot] = grown
+        if need > self.capacity:
+            self._resize(self.data.shape[2], max(need, 2 * self.capacity))
 
     def write(
         self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -77,17 +137,36 @@ class KVCache:
         Returns the full keys and values (kv_heads, committed + n, d) to attend over. The committed
         length only moves on ``advance``; every layer of one pass writes at the same offset.
         """
-        start = self._len[slot]
+        row, start = self.rows.row[slot], self._len[slot]
         end = start + k.shape[1]
-        data = self._data[slot]
-        data[layer, 0, :, start:end] = k
-        data[layer, 1, :, start:end] = v
-        return data[layer, 0, :, :end], data[layer, 1, :, :end]
+        self.data[layer, 0, row, :, start:end] = k
+        self.data[layer, 1, row, :, start:end] = v
+        return self.data[layer, 0, row, :, :end], self.data[layer, 1, row, :, :end]
+
+    def write_rows(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Scatter the keys/values of a packed batch in place: token t goes to
+        (rows[t], positions[t]); k, v (T, kv_heads, d)."""
+        keys = self.data[layer, 0].permute(0, 2, 1, 3)  # (rows, capacity, kv_heads, d) view
+        values = self.data[layer, 1].permute(0, 2, 1, 3)
+        keys[rows, positions] = k
+        values[rows, positions] = v
+
+    def layer(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every row in use, first ``length`` positions: views
+        (rows in use, kv_heads, length, d)."""
+        used = len(self.rows)
+        return self.data[layer, 0, :used, :, :length], self.data[layer, 1, :used, :, :length]
 
     def read(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self._len[slot]
-        data = self._data[slot]
-        return data[layer, 0, :, :end], data[layer, 1, :, :end]
+        row, end = self.rows.row[slot], self._len[slot]
+        return self.data[layer, 0, row, :, :end], self.data[layer, 1, row, :, :end]
 
     def advance(self, slot: int, n: int) -> None:
         self._len[slot] += n
