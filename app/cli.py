@@ -166,7 +166,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             intermediate_size=args.intermediate_size,
             block_size=args.block_size,
             init_from_target=not args.random_init,
-            seed=args.seed,
+            seed=distill_config(args).seed,
         )
     if args.draft_vocab is not None:
         if args.draft_vocab == 0:
