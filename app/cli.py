@@ -485,6 +485,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from adaflash.engine.engine import bound_onednn_cache
+
+    bound_onednn_cache()  # before anything runs a matmul: oneDNN reads it once
     parser = argparse.ArgumentParser(prog="adaflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     core.add_commands(sub)

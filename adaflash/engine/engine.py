@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import time
 import uuid
@@ -44,6 +45,17 @@ from adaflash.models.length_head import verify_len
 from adaflash.models.target import PackedBatch, TargetModel, TargetOutput
 
 log = logging.getLogger(__name__)
+
+# oneDNN (bf16 matmuls on a CPU) caches a primitive per input shape, 1024 by default; packed
+# batches change shape every step, so a serving process slowly fills that cache (measured:
+# +100 MB of RSS over 5 minutes at 32 concurrent streams). A smaller cache bounds it.
+ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+ONEDNN_CACHE_DEFAULT = "256"
+
+
+def bound_onednn_cache() -> None:
+    """Cap oneDNN's primitive cache unless the operator set it (read on its first use)."""
+    os.environ.setdefault(ONEDNN_CACHE, ONEDNN_CACHE_DEFAULT)
 
 
 @dataclass
@@ -114,6 +126,7 @@ class Engine:
     ) -> None:
         if drafter is None and cfg.policy != "ar":
             raise ValueError(f"policy {cfg.policy!r} needs a drafter; pass one or use policy 'ar'")
+        bound_onednn_cache()
         self.target, self.cfg = target, cfg
         self.sink: RecordSink = sink or NullSink()
         self.detokenize = detokenize

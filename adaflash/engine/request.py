@@ -24,6 +24,7 @@ class FeatureStore:
         self.rows = Rows()
         self.length: dict[int, int] = {}
 
+    @torch.inference_mode()
     def allocate(self) -> int:
         if len(self.rows) == self.data.shape[0]:
             self._resize(2 * len(self.rows), self.data.shape[1])
@@ -31,6 +32,7 @@ class FeatureStore:
         self.length[slot] = 0
         return slot
 
+    @torch.inference_mode()
     def free(self, slot: int) -> None:
         if slot not in self.rows.row:
             return
@@ -41,6 +43,7 @@ class FeatureStore:
             n = self.length[other]
             self.data[dst, :n] = self.data[src, :n]
 
+    @torch.inference_mode()
     def append(self, slot: int, rows: torch.Tensor) -> None:
         """rows (n, K·H) after the slot's committed features."""
         start, n = self.length[slot], rows.shape[0]
@@ -53,6 +56,7 @@ class FeatureStore:
         """(n, K·H) features of positions start … committed − 1."""
         return self.data[self.rows.row[slot], start : self.length[slot]]
 
+    @torch.inference_mode()
     def _resize(self, rows: int, capacity: int) -> None:
         grown = torch.zeros(rows, capacity, self.data.shape[2], dtype=self.data.dtype)
         used, longest = len(self.rows), max(self.length.values(), default=0)

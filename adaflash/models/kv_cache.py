@@ -9,7 +9,8 @@ needs more (the pool moves then, rarely); nothing is allocated or freed per requ
 running server does not fragment its heap (a per-request tensor did: RSS crept up under load).
 
 A forward pass writes new keys/values after a slot's committed length; the engine then calls
-``truncate`` to keep only what the target accepted (partial acceptance).
+``truncate`` to keep only what the target accepted (partial acceptance). The pool is never part
+of an autograd graph: its mutations run in inference mode, from any caller.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class KVCache:
         return self.data.shape[4]
 
     # -- slot life cycle ---------------------------------------------------------------------
+    @torch.inference_mode()
     def allocate(self) -> int:
         if len(self.rows) == self.data.shape[2]:
             self._resize(2 * len(self.rows), self.capacity)
@@ -89,6 +91,7 @@ class KVCache:
         self._len[slot] = 0
         return slot
 
+    @torch.inference_mode()
     def free(self, slot: int) -> None:
         """Release a slot; the last row in use moves into its row (its committed part only)."""
         if slot not in self.rows.row:
@@ -110,6 +113,7 @@ class KVCache:
         """Slots in use (= rows in use)."""
         return len(self.rows)
 
+    @torch.inference_mode()
     def _resize(self, rows: int, capacity: int) -> None:
         grown = self._empty(rows, capacity)
         used, longest = len(self.rows), max(self._len.values(), default=0)
@@ -129,6 +133,7 @@ class KVCache:
         if need > self.capacity:
             self._resize(self.data.shape[2], max(need, 2 * self.capacity))
 
+    @torch.inference_mode()
     def write(
         self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
@@ -143,6 +148,7 @@ class KVCache:
         self.data[layer, 1, row, :, start:end] = v
         return self.data[layer, 0, row, :, :end], self.data[layer, 1, row, :, :end]
 
+    @torch.inference_mode()
     def write_rows(
         self,
         layer: int,

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from adaflash.config import TargetConfig
+from adaflash.models.batch_attention import AttentionPlan, attend_packed
 from adaflash.models.checkpoint import load_tensors, resolve_dtype
 from adaflash.models.kv_cache import KVCache
-from adaflash.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend, causal_mask
+from adaflash.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_bias, fuse_rows
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv: torch.Tensor | None = None  # fused q|k|v weight (``fuse``)
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One projection instead of three: q, k and v weights become views of one tensor."""
+        self.qkv = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
+        if self.q_proj.bias is not None:
+            self.qkv_bias = fuse_bias(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -68,23 +78,21 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: KVCache,
         layer: int,
-        batch: PackedBatch,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)  # (T, heads, d)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)  # (T, kv_heads, d)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        t, d = x.shape[0], self.head_dim
+        if self.qkv is not None:
+            qkv = F.linear(x, self.qkv, self.qkv_bias)  # (T, (heads + 2·kv_heads)·d)
+            q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.heads, d)  # (T, heads, d)
+        k = k.reshape(t, self.kv_heads, d)  # (T, kv_heads, d)
+        v = v.reshape(t, self.kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        outs = []
-        for slot, off, n in zip(batch.slots, batch.offsets, batch.lengths, strict=True):
-            past = cache.length(slot)
-            keys, values = cache.write(
-                slot, layer, k[off : off + n].transpose(0, 1), v[off : off + n].transpose(0, 1)
-            )  # (kv_heads, past + n, d)
-            outs.append(attend(q[off : off + n], keys, values, causal_mask(n, past, x.device)))
-        return self.o_proj(torch.cat(outs))  # (T, H)
+        return self.o_proj(attend_packed(q, k, v, cache, layer, plan))  # (T, H)
 
 
 class DecoderLayer(nn.Module):
@@ -102,9 +110,9 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         cache: KVCache,
         layer: int,
-        batch: PackedBatch,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, batch)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -136,6 +144,14 @@ class TargetModel(nn.Module):
             c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, initial_capacity
         )
 
+    def fuse(self) -> None:
+        """Fused q|k|v and gate|up projections for inference (the separate weights stay as
+        views, so checkpoints and state dicts keep their names)."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: (N, H) → (N, V) float32."""
         return self.lm_head(self.norm(hidden)).float()
@@ -156,19 +172,14 @@ class TargetModel(nn.Module):
         position), "last" (one row per request), "none", or a tensor of packed row indices.
         """
         ids = batch.input_ids.to(self.device)
-        positions = torch.cat(
-            [
-                torch.arange(cache.length(s), cache.length(s) + n)
-                for s, n in zip(batch.slots, batch.lengths, strict=True)
-            ]
-        ).to(self.device)  # (T,)
         for slot, n in zip(batch.slots, batch.lengths, strict=True):
             cache.reserve(slot, n)
+        plan = AttentionPlan.build(cache, batch.slots, batch.lengths, self.device)
         x = self.embed_tokens(ids)  # (T, H)
-        cos, sin = self.rotary(positions, x.dtype)  # (T, d) each
+        cos, sin = self.rotary(plan.positions, x.dtype)  # (T, d) each
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, batch)
+            x = layer(x, cos, sin, cache, i, plan)
             if i in capture_layers:
                 captured[i] = x
         for slot, n in zip(batch.slots, batch.lengths, strict=True):
@@ -191,7 +202,10 @@ class TargetModel(nn.Module):
 
 
 def load_target(
-    folder: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
+    folder: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    fuse: bool = True,
 ) -> TargetModel:
     """Build the target from a Hugging Face folder (``config.json`` + safetensors, sharded too)."""
     cfg = TargetConfig.from_folder(folder)
@@ -218,4 +232,6 @@ def load_target(
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     model.to(device)
     model.eval().requires_grad_(False)
+    if fuse:
+        model.fuse()
     return model

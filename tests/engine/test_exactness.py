@@ -153,3 +153,21 @@ def test_abort_frees_the_slot(tiny):
     assert not engine.running and not engine.has_work
     assert events[-1].finish_reason == "abort"
     assert not any(s in engine.cache for s in range(10))
+
+
+def test_requests_leaving_at_different_times_and_growing_the_pool_stay_exact(tiny_llama):
+    """Short requests finish while a long one grows past the pool's first capacity (256): rows
+    move on every free, the pool grows once; each output equals that request served alone."""
+    _, target, _ = tiny_llama
+    prompts = [[5, 6, 7], [10, 11], [30, 31, 32, 33], [40], [50, 51, 52]]
+    lengths = [300, 7, 20, 3, 45]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    alone = [
+        Engine(target, None, EngineConfig(policy="ar")).generate([p], [sp])[0].output_ids
+        for p, sp in zip(prompts, params, strict=True)
+    ]
+    for policy in ("ar", "fixed"):
+        engine = Engine(target, random_drafter(target), EngineConfig(policy=policy))
+        together = engine.generate(prompts, params)
+        assert [r.output_ids for r in together] == alone, policy
+        assert engine.cache.capacity >= 300 and len(engine.cache) == 0

@@ -118,3 +118,25 @@ def test_refuses_unknown_architecture(tmp_path):
     )
     with pytest.raises(ValueError, match="not supported"):
         load_target(tmp_path)
+
+
+def test_pool_rows_move_on_free_and_batched_attention_matches_single_requests(ckpt):
+    """The KV pool compacts rows when a request leaves; the batched decode/verify attention over
+    the pool (rows not in the batch masked out) gives the same logits as one request alone."""
+    ours = load_target(ckpt)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 90, (n,), generator=g) for n in (9, 40, 5, 14)]
+    cache = ours.new_cache(initial_capacity=8)
+    slots = [cache.allocate() for _ in seqs]
+    # prefill all (the 40-token one attends alone, the others in the batched call)
+    ours(PackedBatch(torch.cat(seqs), tuple(slots), tuple(len(s) for s in seqs)), cache)
+    cache.free(slots[0])  # the last row moves into row 0
+    assert cache.row(slots[3]) == 0 and len(cache) == 3
+    # a verify step for two of the three (slot 2 sits out), 3 and 1 new tokens
+    new = [torch.tensor([11, 12, 13]), torch.tensor([21])]
+    out = ours(PackedBatch(torch.cat(new), (slots[1], slots[3]), (3, 1)), cache).logits
+    for seq, add, rows in ((seqs[1], new[0], out[:3]), (seqs[3], new[1], out[3:])):
+        alone = ours.new_cache()
+        s = alone.allocate()
+        want = ours(PackedBatch(torch.cat([seq, add]), (s,), (len(seq) + len(add),)), alone)
+        assert torch.allclose(rows, want.logits[len(seq) :], atol=1e-4)
