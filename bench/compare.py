@@ -37,7 +37,7 @@ from adaflash.cli import DEFAULT_DRAFTER, encode_prompt
 from adaflash.config import DistillConfig, EngineConfig, SamplingParams
 from adaflash.distill import simulate_acceptance
 from adaflash.engine.engine import Engine
-from adaflash.engine.request import Request
+from adaflash.engine.round import draft_tokens
 from adaflash.metrics import speedup
 from adaflash.models.drafter import DFlashDrafter, load_drafter
 from adaflash.models.target import TargetModel, load_target
@@ -57,27 +57,20 @@ class OracleLengthEngine(Engine):
         super().__init__(*args, **kw)
         self.references = references
 
-    def _draft_tokens(
-        self, reqs: list[Request], states: torch.Tensor, width: int
-    ) -> list[list[int]]:
-        drafts = super()._draft_tokens(reqs, states, width)
-        self._oracle_k = {}
-        for r, row in zip(reqs, drafts, strict=True):
-            ref = self.references.get(tuple(r.prompt_ids), [])[len(r.output_ids) :]
-            n = 0
-            while n < len(row) and n < len(ref) and row[n] == ref[n]:
-                n += 1
-            self._oracle_k[id(r)] = n + 1
-        return drafts
+    def _propose(self):  # type: ignore[no-untyped-def]
+        def propose(reqs, states, k_hat):  # type: ignore[no-untyped-def]
+            assert self.drafter is not None
+            drafts = draft_tokens(self.target, self.drafter, states, int(k_hat.max()) - 1)
+            k_hat = k_hat.clone()
+            for i, (r, row) in enumerate(zip(reqs, drafts, strict=True)):
+                ref = self.references.get(tuple(r.prompt_ids), [])[len(r.output_ids) :]
+                n = 0
+                while n < len(row) and n < len(ref) and row[n] == ref[n]:
+                    n += 1
+                k_hat[i] = min(n + 1, int(k_hat[i]))
+            return drafts, k_hat
 
-    def _draft(self, reqs: list[Request]):  # type: ignore[no-untyped-def]
-        plans = super()._draft(reqs)
-        for p in plans:
-            k = getattr(self, "_oracle_k", {}).get(id(p.req))
-            if k is not None and p.drafted:
-                p.verify_len = min(k, p.verify_len)
-                p.drafts = p.drafts[: p.verify_len - 1]
-        return plans
+        return propose
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:

@@ -1,18 +1,17 @@
 """The AdaFlash engine: continuous batching around one speculative round per step.
 
-Each ``step()`` runs one round for every admitted request (SPEC §1, §5; paper §3.2–3.3):
-
-    draft_block → verify_len → drafts → admission → verify (one packed pass) → accept → commit
-
-Prefill chunks of newly admitted requests ride in the same packed target pass. All mutation
-happens on the thread that calls ``step()``; other threads talk to the engine through
-``add_request`` / ``abort`` / ``swap_drafter`` / ``set_policy``, which enqueue commands applied
-between steps — so a hot swap never interrupts a round.
+Each ``step()``: commands apply (adds, aborts, hot swaps, policy changes), the ``Scheduler``
+picks who runs, ``round.speculative_round`` runs the algorithm (SPEC §1, §5; paper §3.2–3.3),
+and the engine builds what users and the trainer see around its result: stop rules, streamed
+tokens, round and request records, finished requests. All mutation happens on the thread that
+calls ``step()``; other threads talk to the engine through ``add_request`` / ``abort`` /
+``swap_drafter`` / ``set_policy``, which enqueue commands applied between steps — so a hot swap
+never interrupts a round.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -20,14 +19,10 @@ import queue
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from adaflash.config import DEFAULT_BLOCK_SIZE, POLICIES, EngineConfig, SamplingParams
-from adaflash.decoding.acceptance import greedy_accept, sampled_accept
-from adaflash.decoding.sampling import sample, target_probs
 from adaflash.engine.detokenize import cut_at_stop
 from adaflash.engine.records import NullSink, RecordSink, RequestRecord, RoundRecord
 from adaflash.engine.request import (
@@ -37,12 +32,12 @@ from adaflash.engine.request import (
     TokenEvent,
     check_request,
 )
-from adaflash.engine.scheduler import Admission
+from adaflash.engine.round import Drafting, Propose, RoundResult, Verified, speculative_round
+from adaflash.engine.scheduler import Admission, Scheduler
 from adaflash.metrics import SpecCounters
-from adaflash.models.drafter import KV, DFlashDrafter
+from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.kv_cache import KVCache
-from adaflash.models.length_head import verify_len
-from adaflash.models.target import PackedBatch, TargetModel, TargetOutput
+from adaflash.models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -71,23 +66,6 @@ class EngineStats:
     swaps: int = 0
     request_errors: int = 0  # requests ended by an error while being served
     draft_errors: int = 0  # drafter passes that failed (those requests took a plain step)
-
-
-@dataclass
-class _Plan:
-    """One request's part of this step's verification."""
-
-    req: Request
-    verify_len: int  # k̂, anchor included
-    drafts: list[int]  # k̂ − 1 draft tokens
-    drafted: int  # tokens the drafter proposed (k − 1, or 0 without a draft)
-    a_hat: float | None = None
-
-
-@dataclass
-class _Prefill:
-    req: Request
-    n: int  # prompt tokens in this chunk
 
 
 @dataclass
@@ -133,8 +111,7 @@ class Engine:
         self.eos = set(target.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.max_context = cfg.max_context or target.cfg.max_position_embeddings
         self.cache: KVCache = target.new_cache()
-        self.drafter: DFlashDrafter | None = None
-        self.draft_cache: KVCache | None = None
+        self.drafting: Drafting | None = None
         self.features: FeatureStore | None = None
         self.version = "none"
         self.block_size = DEFAULT_BLOCK_SIZE
@@ -149,8 +126,7 @@ class Engine:
             cfg.ema_beta,
             n_hat=max(1.0, cfg.max_batch_tokens / self.block_size),
         )
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.scheduler = Scheduler(cfg.max_running_requests, self.admission)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._suspects: set[int] = set()  # requests to run alone after a failed shared pass
@@ -214,78 +190,118 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or not self._commands.empty())
 
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def drafter(self) -> DFlashDrafter | None:
+        return None if self.drafting is None else self.drafting.drafter
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one scheduling step. Returns False when there was nothing to do.
 
         An error while serving one request ends that request alone (finish reason "error"):
         per-request work is guarded request by request; when the shared target pass fails,
-        its requests are rolled back and retried one per step until the one that fails alone
-        is found."""
+        its requests are retried one per step until the one that fails alone is found."""
         self._apply_commands()
-        self._admit()
+        self.scheduler.admit(self._on_admit)
         if not self.running:
             return False
-        prefills = self._plan_prefill()
-        ready = [r for r in self.running if r.prefill_done]
-        chosen = ready[: self.admission.how_many(len(ready))]
+        prefills = self.scheduler.prefills(self.cfg.max_prefill_tokens)
+        chosen = self.scheduler.front()
         self._suspects &= {id(r) for r in self.running}
         if self._suspects:  # isolate: one suspect alone per step
             suspect = next(r for r in self.running if id(r) in self._suspects)
             prefills = [p for p in prefills if p.req is suspect]
             chosen = [suspect] if suspect.prefill_done else []
-
-        t0 = time.perf_counter()
-        plans = self._draft(chosen)  # steps 1–3: draft_block, verify_len, drafts
-        t1 = time.perf_counter()
-        fit = self.admission.pack([p.verify_len for p in plans])  # step 4: admission
-        plans, deferred = plans[:fit], plans[fit:]
-        self.admission.update(len(plans), len(deferred))
-        if not plans and not prefills:
+        res = speculative_round(
+            self.target,
+            self.cache,
+            self.drafting,
+            chosen,
+            prefills,
+            self.policy,
+            self.gamma,
+            self.admission,
+        )
+        if not res.passed:
             return False
-        try:
-            out, rows = self._verify(plans, prefills)  # step 5: one packed target pass
-        except Exception as exc:
-            self._pass_failed([p.req for p in plans] + [p.req for p in prefills], exc)
+        self.stats.draft_errors += int(res.draft_failed)
+        if res.pass_error is not None:
+            self._pass_failed(res.passed, res.pass_error)
             return True
-        t2 = time.perf_counter()
-
-        draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-        for plan, row in zip(plans, rows[: len(plans)], strict=True):
-            with self._guard(plan.req):
-                self._accept_and_commit(plan, out, row, len(plans), draft_ms, verify_ms)  # 6–8
-        for pre, row in zip(prefills, rows[len(plans) :], strict=True):
-            with self._guard(pre.req):
-                self._commit_prefill(pre, out, row)
-        self._suspects -= {id(p.req) for p in plans} | {id(p.req) for p in prefills}
-
+        self._suspects -= {id(r) for r in res.passed}
+        for v in res.verified:
+            self._commit_round(v, res)
+        for r, token in res.first_tokens:
+            self._guarded(r, functools.partial(self._emit, r, [token], ["target"]))
+        for pre in prefills:
+            self.stats.prompt_tokens += pre.n if pre.req in res.passed else 0
+        for r, exc in res.failed:
+            log.error("request %s failed in a step: %s", r.id, exc)
+            self.stats.request_errors += 1
+            if not r.finished:
+                self._fail(r, f"internal error while serving this request: {exc}")
+        for r in res.passed:
+            if r.finished and r in self.running:
+                self._finish(r)
         self.stats.steps += 1
-        self.stats.draft_s += t1 - t0
-        self.stats.verify_s += t2 - t1
-        done = {id(p.req) for p in plans}
-        self.running = [r for r in self.running if id(r) not in done] + [
-            p.req for p in plans if not p.req.finished
-        ]  # round-robin: served requests go to the back
+        self.stats.draft_s += res.draft_ms / 1e3
+        self.stats.verify_s += res.verify_ms / 1e3
+        self.scheduler.rotate([v.plan.req for v in res.verified])  # round-robin
         return True
 
-    @contextlib.contextmanager
-    def _guard(self, r: Request) -> Iterator[None]:
-        """Run one request's part of a step; an exception ends that request with the reason."""
+    def _commit_round(self, v: Verified, res: RoundResult) -> None:
+        """Stream what a verified request committed (stop rules applied) and record the round."""
+        r, plan = v.plan.req, v.plan
+        r.rounds += 1
+        r.accepted += v.accepted
+        r.verified += plan.verify_len - 1
+        r.draft_ms += res.draft_ms if plan.drafted else 0.0
+        r.verify_ms += res.verify_ms
+        emitted = self._guarded(r, lambda: self._emit(r, v.tokens, v.kinds)) or 0
+        self.counters.add_round(plan.verify_len, v.accepted, plan.drafted)
+        self.sink.offer(
+            RoundRecord(
+                request_id=r.id,
+                round_index=r.rounds - 1,
+                drafter_version=self.version,
+                policy=self.policy,
+                block_size=self.block_size,
+                verify_len=plan.verify_len,
+                accepted=v.accepted,
+                emitted=emitted,
+                a_hat=plan.a_hat,
+                batch_size=len(res.verified),
+                draft_ms=res.draft_ms,
+                verify_ms=res.verify_ms,
+                timestamp=time.time(),
+                domain=r.domain,
+            )
+        )
+
+    def _guarded(self, r: Request, fn: Callable[[], int]) -> int | None:
+        """Run one request's part of a step (a callback may raise): an exception ends that
+        request alone, with the reason."""
         try:
-            yield
+            return fn()
         except Exception as exc:
             log.exception("request %s failed in a step", r.id)
             self.stats.request_errors += 1
             if not r.finished:
                 self._fail(r, f"internal error while serving this request: {exc}")
+            return None
 
     def _pass_failed(self, reqs: list[Request], exc: Exception) -> None:
-        """The shared target pass raised: undo its partial cache writes; a lone request fails,
-        several become suspects that run alone until the culprit is found."""
-        log.exception("target pass over %d requests failed", len(reqs))
-        for r in reqs:
-            committed = r.prefilled if not r.prefill_done else r.anchor_pos
-            self.cache.truncate(r.slot, committed)
+        """The shared target pass raised (the round rolled its cache writes back): a lone
+        request fails, several become suspects that run alone until the culprit is found."""
+        log.error("target pass over %d requests failed: %s", len(reqs), exc)
         if len(reqs) == 1:
             self.stats.request_errors += 1
             self._fail(reqs[0], f"internal error while serving this request: {exc}")
@@ -298,207 +314,6 @@ class Engine:
         if r.on_event is not None:
             r.on_event(TokenEvent(r.id, (), (), True, "error", error))
         self._finish(r)
-
-    def _draft(self, reqs: list[Request]) -> list[_Plan]:
-        """Steps 1–3. One drafter pass for every request that speculates this step."""
-        plans = {id(r): _Plan(r, 1, [], 0) for r in reqs}
-        spec = [r for r in reqs if self._speculates(r)]
-        if not spec:
-            return [plans[id(r)] for r in reqs]
-        try:
-            plans.update(self._draft_plans(spec))
-        except Exception:  # a drafter failure costs this step its speculation, nothing more
-            log.exception("drafter pass failed; these requests take a plain step")
-            self.stats.draft_errors += 1
-            for r in spec:  # context rebuilt from raw features at the next draft
-                r.draft_slot, r.ctx_version, r.ctx_len = -1, None, 0
-        return [plans[id(r)] for r in reqs]
-
-    def _draft_plans(self, spec: list[Request]) -> dict[int, _Plan]:
-        """Steps 1–3 for the requests that speculate: one drafter pass for all of them."""
-        assert self.drafter is not None
-        k = self.block_size
-        # 1. draft_block: [anchor, mask_token_id × (k−1)] at positions p … p+k−1
-        block_ids = torch.full((len(spec), k), self.drafter.cfg.mask_token_id)
-        block_ids[:, 0] = torch.tensor([r.anchor for r in spec])
-        positions = torch.tensor([r.anchor_pos for r in spec])[:, None] + torch.arange(k)
-        ctx = [self._drafter_context(r) for r in spec]
-        with torch.inference_mode():
-            block = self.target.embed_tokens(block_ids.to(self.target.device))  # (B, k, H)
-            states = self.drafter(block, positions, ctx)  # (B, k, H)
-            # 2. verify_len: k̂ per request (policy), never beyond the tokens still allowed
-            a_hat = self.drafter.length_head(states) if self.policy == "head" else None
-            if a_hat is not None:
-                k_hat = verify_len(a_hat, k, self.gamma)
-            else:
-                k_hat = torch.full((len(spec),), k)
-            k_hat = torch.minimum(k_hat, torch.tensor([r.tokens_left for r in spec]))
-            # 3. drafts: argmax over the draft vocabulary on the mask slots to be verified
-            drafts = self._draft_tokens(spec, states, int(k_hat.max()) - 1)
-        return {
-            id(r): _Plan(
-                r,
-                int(k_hat[i]),
-                drafts[i][: int(k_hat[i]) - 1],
-                k - 1,
-                None if a_hat is None else float(a_hat[i]),
-            )
-            for i, r in enumerate(spec)
-        }
-
-    def _draft_tokens(
-        self, reqs: list[Request], states: torch.Tensor, width: int
-    ) -> list[list[int]]:
-        """states (B, k, H) → draft tokens of slots 1 … width, per request."""
-        if width <= 0:
-            return [[] for _ in reqs]
-        b, _, h = states.shape
-        # a 2-D contiguous input keeps torch on one GEMM (a 3-D slice can take a bmm path that
-        # copies the whole LM-head weight); only the draft vocabulary's rows are scored
-        assert self.drafter is not None
-        rows = states[:, 1 : 1 + width].reshape(b * width, h).contiguous()  # (B·width, H)
-        best = self.drafter.draft_logits(rows, self.target.lm_head.weight).argmax(-1)  # (B·width,)
-        return self.drafter.to_target_ids(best).view(b, width).tolist()  # (B, width)
-
-    def _verify(
-        self, plans: list[_Plan], prefills: list[_Prefill]
-    ) -> tuple[TargetOutput, list[tuple[int, int, int]]]:
-        """Step 5. One packed pass: Σ k̂_i verification tokens plus the prefill chunks.
-
-        Returns the output and, per plan then per prefill, (first packed row, token count,
-        first logits row)."""
-        ids: list[int] = []
-        slots: list[int] = []
-        lengths: list[int] = []
-        logit_rows: list[int] = []
-        rows: list[tuple[int, int, int]] = []
-        for p in plans:
-            rows.append((len(ids), p.verify_len, len(logit_rows)))
-            logit_rows.extend(range(len(ids), len(ids) + p.verify_len))
-            ids += [p.req.anchor, *p.drafts]
-            slots.append(p.req.slot)
-            lengths.append(p.verify_len)
-        for pre in prefills:
-            r = pre.req
-            rows.append((len(ids), pre.n, len(logit_rows)))
-            ids += r.prompt_ids[r.prefilled : r.prefilled + pre.n]
-            if r.prefilled + pre.n == len(r.prompt_ids):
-                logit_rows.append(len(ids) - 1)
-            slots.append(r.slot)
-            lengths.append(pre.n)
-        batch = PackedBatch(torch.tensor(ids), tuple(slots), tuple(lengths))
-        capture = self.drafter.cfg.target_layer_ids if self.drafter is not None else ()
-        out = self.target(
-            batch,
-            self.cache,
-            capture_layers=tuple(capture),
-            logits=torch.tensor(logit_rows, dtype=torch.long),
-        )
-        return out, rows
-
-    def _accept_and_commit(
-        self,
-        plan: _Plan,
-        out: TargetOutput,
-        row: tuple[int, int, int],
-        batch_size: int,
-        draft_ms: float,
-        verify_ms: float,
-    ) -> None:
-        r, (first, n, logit_first) = plan.req, row
-        assert out.logits is not None
-        logits = out.logits[logit_first : logit_first + n]  # (k̂, V)
-        drafts = torch.tensor(plan.drafts, dtype=torch.long)
-        # 6. accept: longest agreeing prefix + the target's bonus token
-        p = r.params
-        acc = (
-            greedy_accept(logits, drafts)
-            if p.greedy
-            else sampled_accept(logits, drafts, p.temperature, p.top_k, p.top_p, r.generator)
-        )
-        # 7. commit: keep anchor + accepted drafts in the KV cache and the drafter context
-        self.cache.truncate(r.slot, r.anchor_pos + acc.accepted + 1)
-        if r.features is not None and self.features is not None and out.features is not None:
-            self.features.append(r.features, out.features[first : first + acc.accepted + 1])
-        tokens = [*plan.drafts[: acc.accepted], acc.bonus_token]
-        kinds = ["draft"] * acc.accepted + ["target"]
-        r.rounds += 1
-        r.accepted += acc.accepted
-        r.verified += plan.verify_len - 1
-        r.draft_ms += draft_ms if plan.drafted else 0.0
-        r.verify_ms += verify_ms
-        emitted = self._emit(r, tokens, kinds)
-        # 8. record
-        self.counters.add_round(plan.verify_len, acc.accepted, plan.drafted)
-        self.sink.offer(
-            RoundRecord(
-                request_id=r.id,
-                round_index=r.rounds - 1,
-                drafter_version=self.version,
-                policy=self.policy,
-                block_size=self.block_size,
-                verify_len=plan.verify_len,
-                accepted=acc.accepted,
-                emitted=emitted,
-                a_hat=plan.a_hat,
-                batch_size=batch_size,
-                draft_ms=draft_ms,
-                verify_ms=verify_ms,
-                timestamp=time.time(),
-                domain=r.domain,
-            )
-        )
-        if r.finished:
-            self._finish(r)
-
-    def _commit_prefill(self, pre: _Prefill, out: TargetOutput, row: tuple[int, int, int]) -> None:
-        r, (first, n, logit_row) = pre.req, row
-        if r.features is not None and self.features is not None and out.features is not None:
-            self.features.append(r.features, out.features[first : first + n])
-        r.prefilled += n
-        self.stats.prompt_tokens += n
-        if not r.prefill_done:
-            return
-        assert out.logits is not None
-        logits = out.logits[logit_row : logit_row + 1]  # (1, V)
-        p = r.params
-        if p.greedy:
-            token = int(logits.argmax(-1))
-        else:
-            token = int(sample(target_probs(logits, p.temperature, p.top_k, p.top_p), r.generator))
-        self._emit(r, [token], ["target"])
-        if r.finished:
-            self._finish(r)
-
-    # -- helpers -------------------------------------------------------------------------------
-    def _speculates(self, r: Request) -> bool:
-        return (
-            self.policy != "ar"
-            and self.drafter is not None
-            and r.features is not None
-            and r.tokens_left > 1
-        )
-
-    def _drafter_context(self, r: Request) -> list[KV]:
-        """Context keys/values of every drafter layer, projecting features not yet projected."""
-        assert self.drafter is not None and self.draft_cache is not None
-        assert r.features is not None
-        if r.ctx_version != self.version or r.draft_slot not in self.draft_cache:
-            r.draft_slot = self.draft_cache.allocate()
-            r.ctx_len, r.ctx_version = 0, self.version
-        assert self.features is not None
-        new = self.features.view(r.features, r.ctx_len)  # (n, K·H)
-        if new.shape[0]:
-            positions = torch.arange(r.ctx_len, r.ctx_len + new.shape[0])
-            self.draft_cache.reserve(r.draft_slot, new.shape[0])
-            with torch.inference_mode():
-                for li, (k, v) in enumerate(self.drafter.context_kv(new, positions)):
-                    self.draft_cache.write(r.draft_slot, li, k, v)
-            self.draft_cache.advance(r.draft_slot, new.shape[0])
-            r.ctx_len += new.shape[0]
-        return [
-            self.draft_cache.read(r.draft_slot, li) for li in range(self.drafter.cfg.num_layers)
-        ]
 
     def _emit(self, r: Request, tokens: list[int], kinds: list[str]) -> int:
         """Append tokens until a stop condition; stream them. Returns how many were emitted."""
@@ -520,11 +335,11 @@ class Engine:
 
     def _finish(self, r: Request) -> None:
         self.cache.free(r.slot)
-        if self.draft_cache is not None:
-            self.draft_cache.free(r.draft_slot)
+        if self.drafting is not None:
+            self.drafting.cache.free(r.draft_slot)
         if r.features is not None and self.features is not None:
             self.features.free(r.features)
-        self.running = [x for x in self.running if x is not r]
+        self.scheduler.remove(r)
         self.stats.requests_finished += 1
         text = r.stop_text
         if text is None and self.detokenize is not None:
@@ -550,39 +365,30 @@ class Engine:
         if r.on_finish is not None:
             r.on_finish(record)
 
-    def _plan_prefill(self) -> list[_Prefill]:
-        budget = self.cfg.max_prefill_tokens
-        out = []
-        for r in self.running:
-            if r.prefill_done or budget == 0:
-                continue
-            n = min(len(r.prompt_ids) - r.prefilled, budget)
-            out.append(_Prefill(r, n))
-            budget -= n
-        return out
+    def _propose(self) -> Propose | None:
+        """A stand-in for argmax drafting (tests and benchmarks override it); None: argmax."""
+        return None
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.cfg.max_running_requests:
-            r = self.waiting.popleft()
-            r.slot = self.cache.allocate()
-            if self.features is not None:
-                r.features = self.features.allocate()
-            r.drafter_version = self.version
-            self.running.append(r)
+    def _on_admit(self, r: Request) -> None:
+        r.slot = self.cache.allocate()
+        if self.features is not None:
+            r.features = self.features.allocate()
+        r.drafter_version = self.version
 
     def _install_drafter(self, drafter: DFlashDrafter, version: str) -> None:
         drafter.cfg.check_target(self.target.cfg)
         drafter.to(device=self.target.device, dtype=self.target.dtype).eval()
         drafter.requires_grad_(False)
         c = drafter.cfg
-        self.drafter, self.version, self.block_size = drafter, version, c.block_size
-        self.draft_cache = KVCache(
-            c.num_layers, c.num_kv_heads, c.head_dim, self.target.dtype, self.target.device
-        )
         if self.features is None:  # a hot swap keeps the layers, hence the width
             self.features = FeatureStore(
                 c.num_features * self.target.cfg.hidden_size, self.target.dtype
             )
+        cache = KVCache(
+            c.num_layers, c.num_kv_heads, c.head_dim, self.target.dtype, self.target.device
+        )
+        self.drafting = Drafting(drafter, version, cache, self.features, self._propose())
+        self.version, self.block_size = version, c.block_size
         if self.cfg.max_batch_tokens < c.block_size:
             raise ValueError(
                 f"max_batch_tokens ({self.cfg.max_batch_tokens}) must hold one full block "
@@ -596,7 +402,7 @@ class Engine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                self.waiting.append(cmd.req)
+                self.scheduler.waiting.append(cmd.req)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd.request_id)
             elif isinstance(cmd, _Swap):
@@ -615,7 +421,6 @@ class Engine:
             return
         for r in list(self.waiting):
             if r.id == request_id:
-                self.waiting.remove(r)
                 r.finish_reason = "abort"
                 self._notify_abort(r)
                 self._finish(r)
@@ -638,7 +443,6 @@ class Engine:
             if r.on_event is not None:
                 r.on_event(TokenEvent(r.id, (), (), True, "error", error))
             self._finish(r)
-        self.waiting.clear()
 
     # -- synchronous convenience ---------------------------------------------------------------
     def generate(

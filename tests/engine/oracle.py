@@ -12,7 +12,7 @@ from functools import cache
 import torch
 
 from adaflash.engine.engine import Engine
-from adaflash.engine.request import Request
+from adaflash.engine.round import Propose
 from adaflash.models.target import PackedBatch, TargetModel
 
 Continuation = Callable[[tuple[int, ...], int], list[int]]
@@ -61,19 +61,21 @@ class OracleEngine(Engine):
         self.continuation = continuation
         self.corrupt_every = corrupt_every
 
-    def _draft_tokens(
-        self, reqs: list[Request], states: torch.Tensor, width: int
-    ) -> list[list[int]]:
-        vocab = self.target.cfg.vocab_size
-        out = []
-        for r in reqs:
-            p = r.anchor_pos
-            cont = self.continuation(tuple(r.prompt_ids + r.output_ids), width) if width else []
-            row = []
-            for i in range(1, width + 1):
-                tok = cont[i - 1] if i - 1 < len(cont) else 0
-                if (p * 31 + i * 17) % self.corrupt_every == 0:
-                    tok = (tok + 1) % vocab
-                row.append(tok)
-            out.append(row)
-        return out
+    def _propose(self) -> Propose:
+        def propose(reqs, states, k_hat):  # type: ignore[no-untyped-def]
+            vocab = self.target.cfg.vocab_size
+            width = int(k_hat.max()) - 1
+            out = []
+            for r in reqs:
+                p = r.anchor_pos
+                cont = self.continuation(tuple(r.prompt_ids + r.output_ids), width) if width else []
+                row = []
+                for i in range(1, width + 1):
+                    tok = cont[i - 1] if i - 1 < len(cont) else 0
+                    if (p * 31 + i * 17) % self.corrupt_every == 0:
+                        tok = (tok + 1) % vocab
+                    row.append(tok)
+                out.append(row)
+            return out, k_hat
+
+        return propose

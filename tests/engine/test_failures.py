@@ -6,7 +6,7 @@ import torch
 
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.decoding.sampling import sample, target_probs
-from adaflash.engine import engine as engine_module
+from adaflash.engine import round as round_module
 from adaflash.engine.engine import Engine
 from tests.engine.conftest import random_drafter
 
@@ -51,14 +51,14 @@ def test_a_request_failing_in_a_step_ends_alone(tiny_llama, monkeypatch):
     """Acceptance raises for one request (marked by its temperature); the others, in the same
     steps, finish with exactly their normal output."""
     _, target, _ = tiny_llama
-    real = engine_module.sampled_accept
+    real = round_module.sampled_accept
 
     def flaky(logits, drafts, temperature, *args):
         if temperature == 0.777:
             raise RuntimeError("boom")
         return real(logits, drafts, temperature, *args)
 
-    monkeypatch.setattr(engine_module, "sampled_accept", flaky)
+    monkeypatch.setattr(round_module, "sampled_accept", flaky)
     good = SamplingParams(max_new_tokens=12, ignore_eos=True)
     bad = SamplingParams(temperature=0.777, max_new_tokens=12, ignore_eos=True, seed=3)
     reference = Engine(target, None, EngineConfig(policy="ar")).generate(PROMPTS, good)

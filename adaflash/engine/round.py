@@ -1,0 +1,310 @@
+"""One speculative round for a continuous batch (SPEC §1, §5; paper §3.2–3.3).
+
+    draft_block → verify_len → drafts → admission → verify (one packed pass) → accept → commit
+
+``speculative_round`` is the whole algorithm of a step. It keeps the state it must keep
+consistent — the target's KV cache and the drafter's context — and nothing else: it streams
+nothing and records nothing. The engine builds stop rules, streaming and records around its
+result. Prefill chunks ride in the same packed target pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from adaflash.decoding.acceptance import greedy_accept, sampled_accept
+from adaflash.decoding.sampling import sample, target_probs
+from adaflash.engine.request import FeatureStore, Request
+from adaflash.engine.scheduler import Admission, Prefill
+from adaflash.models.drafter import KV, DFlashDrafter
+from adaflash.models.kv_cache import KVCache
+from adaflash.models.length_head import verify_len
+from adaflash.models.target import PackedBatch, TargetModel, TargetOutput
+
+log = logging.getLogger(__name__)
+
+
+# (requests, drafter states (B, k, H), k̂ (B,)) → drafts per request (k̂_i − 1 each) and k̂
+Propose = Callable[
+    [list[Request], torch.Tensor, torch.Tensor], tuple[list[list[int]], torch.Tensor]
+]
+
+
+@dataclass
+class Drafting:
+    """The drafter and the context it keeps per request (owned by the engine). ``propose``
+    turns drafter states into draft tokens: argmax over the draft vocabulary, unless a test or
+    a benchmark stands in (an oracle drafter, an oracle length policy)."""
+
+    drafter: DFlashDrafter
+    version: str
+    cache: KVCache  # per request: the drafter layers' context keys/values
+    features: FeatureStore  # per request: raw target features of committed positions
+    propose: Propose | None = None
+
+
+@dataclass
+class Plan:
+    """One request's part of this round's verification."""
+
+    req: Request
+    verify_len: int  # k̂, anchor included
+    drafts: list[int]  # k̂ − 1 draft tokens
+    drafted: int  # tokens the drafter proposed (k − 1, or 0 without a draft)
+    a_hat: float | None = None
+
+
+@dataclass
+class Verified:
+    """What one verified request committed."""
+
+    plan: Plan
+    accepted: int  # drafts accepted
+    tokens: list[int]  # accepted drafts + the target's bonus token
+    kinds: list[str]  # per token: "draft" or "target"
+
+
+@dataclass
+class RoundResult:
+    verified: list[Verified] = field(default_factory=list)
+    first_tokens: list[tuple[Request, int]] = field(default_factory=list)  # prompt completed
+    deferred: list[Request] = field(default_factory=list)  # over the budget: next step
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)  # this request only
+    pass_error: Exception | None = None  # the shared target pass failed; nothing committed
+    passed: list[Request] = field(default_factory=list)  # every request in the target pass
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    draft_failed: bool = False
+
+
+def speculative_round(
+    target: TargetModel,
+    cache: KVCache,
+    drafting: Drafting | None,
+    chosen: list[Request],
+    prefills: list[Prefill],
+    policy: str,
+    gamma: float,
+    admission: Admission,
+) -> RoundResult:
+    res = RoundResult()
+    t0 = time.perf_counter()
+    # 1–3. draft_block, verify_len, drafts: one drafter pass for every speculating request
+    plans, res.draft_failed = draft(target, drafting, chosen, policy, gamma)
+    t1 = time.perf_counter()
+    # 4. admission: Σ k̂ under the verification budget; the rest wait for the next step
+    fit = admission.pack([p.verify_len for p in plans])
+    plans, res.deferred = plans[:fit], [p.req for p in plans[fit:]]
+    admission.update(len(plans), len(res.deferred))
+    res.passed = [p.req for p in plans] + [p.req for p in prefills]
+    if not res.passed:
+        return res
+    # 5. verify: one packed target pass over every [anchor, drafts] and the prefill chunks
+    try:
+        out, rows = verify(target, cache, drafting, plans, prefills)
+    except Exception as exc:  # undo its partial cache writes; the engine decides who fails
+        for r in res.passed:
+            cache.truncate(r.slot, r.anchor_pos if r.prefill_done else r.prefilled)
+        res.pass_error = exc
+        return res
+    t2 = time.perf_counter()
+    res.draft_ms, res.verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    # 6–7. accept (longest agreeing prefix + bonus) and commit, request by request
+    for plan, row in zip(plans, rows[: len(plans)], strict=True):
+        try:
+            res.verified.append(accept_and_commit(cache, drafting, plan, out, row))
+        except Exception as exc:
+            res.failed.append((plan.req, exc))
+    for pre, row in zip(prefills, rows[len(plans) :], strict=True):
+        try:
+            token = commit_prefill(drafting, pre, out, row)
+            if token is not None:
+                res.first_tokens.append((pre.req, token))
+        except Exception as exc:
+            res.failed.append((pre.req, exc))
+    return res
+
+
+def speculates(r: Request, drafting: Drafting | None, policy: str) -> bool:
+    return policy != "ar" and drafting is not None and r.features is not None and r.tokens_left > 1
+
+
+def draft(
+    target: TargetModel,
+    drafting: Drafting | None,
+    reqs: list[Request],
+    policy: str,
+    gamma: float,
+) -> tuple[list[Plan], bool]:
+    """Steps 1–3. A drafter failure costs this round its speculation, nothing more (those
+    requests take a plain step; their context is rebuilt from raw features next time)."""
+    plans = {id(r): Plan(r, 1, [], 0) for r in reqs}
+    spec = [r for r in reqs if speculates(r, drafting, policy)]
+    failed = False
+    if spec and drafting is not None:
+        try:
+            plans.update(draft_plans(target, drafting, spec, policy, gamma))
+        except Exception:
+            log.exception("drafter pass failed; these requests take a plain step")
+            failed = True
+            for r in spec:
+                r.draft_slot, r.ctx_version, r.ctx_len = -1, None, 0
+    return [plans[id(r)] for r in reqs], failed
+
+
+def draft_plans(
+    target: TargetModel, d: Drafting, spec: list[Request], policy: str, gamma: float
+) -> dict[int, Plan]:
+    k = d.drafter.cfg.block_size
+    # 1. draft_block: [anchor, mask_token_id × (k−1)] at positions p … p+k−1
+    block_ids = torch.full((len(spec), k), d.drafter.cfg.mask_token_id)
+    block_ids[:, 0] = torch.tensor([r.anchor for r in spec])
+    positions = torch.tensor([r.anchor_pos for r in spec])[:, None] + torch.arange(k)
+    ctx = [drafter_context(d, r) for r in spec]
+    with torch.inference_mode():
+        block = target.embed_tokens(block_ids.to(target.device))  # (B, k, H)
+        states = d.drafter(block, positions, ctx)  # (B, k, H)
+        # 2. verify_len: k̂ per request (policy), never beyond the tokens still allowed
+        if policy == "head":
+            a_hat = d.drafter.length_head(states)  # (B,)
+            k_hat = verify_len(a_hat, k, gamma)
+        else:
+            a_hat, k_hat = None, torch.full((len(spec),), k)
+        k_hat = torch.minimum(k_hat, torch.tensor([r.tokens_left for r in spec]))
+        # 3. drafts: argmax over the draft vocabulary on the mask slots to be verified
+        if d.propose is not None:
+            drafts, k_hat = d.propose(spec, states, k_hat)
+        else:
+            drafts = draft_tokens(target, d.drafter, states, int(k_hat.max()) - 1)
+    return {
+        id(r): Plan(
+            r,
+            int(k_hat[i]),
+            drafts[i][: int(k_hat[i]) - 1],
+            k - 1,
+            None if a_hat is None else float(a_hat[i]),
+        )
+        for i, r in enumerate(spec)
+    }
+
+
+def draft_tokens(
+    target: TargetModel, drafter: DFlashDrafter, states: torch.Tensor, width: int
+) -> list[list[int]]:
+    """states (B, k, H) → draft tokens of slots 1 … width, per request."""
+    b, _, h = states.shape
+    if width <= 0:
+        return [[] for _ in range(b)]
+    # a 2-D contiguous input keeps torch on one GEMM (a 3-D slice can take a bmm path that
+    # copies the whole LM-head weight); only the draft vocabulary's rows are scored
+    rows = states[:, 1 : 1 + width].reshape(b * width, h).contiguous()  # (B·width, H)
+    best = drafter.draft_logits(rows, target.lm_head.weight).argmax(-1)  # (B·width,)
+    return drafter.to_target_ids(best).view(b, width).tolist()  # (B, width)
+
+
+def drafter_context(d: Drafting, r: Request) -> list[KV]:
+    """Context keys/values of every drafter layer, projecting features not yet projected."""
+    assert r.features is not None
+    if r.ctx_version != d.version or r.draft_slot not in d.cache:
+        r.draft_slot = d.cache.allocate()
+        r.ctx_len, r.ctx_version = 0, d.version
+    new = d.features.view(r.features, r.ctx_len)  # (n, K·H)
+    if new.shape[0]:
+        positions = torch.arange(r.ctx_len, r.ctx_len + new.shape[0])
+        d.cache.reserve(r.draft_slot, new.shape[0])
+        with torch.inference_mode():
+            for li, (k, v) in enumerate(d.drafter.context_kv(new, positions)):
+                d.cache.write(r.draft_slot, li, k, v)
+        d.cache.advance(r.draft_slot, new.shape[0])
+        r.ctx_len += new.shape[0]
+    return [d.cache.read(r.draft_slot, li) for li in range(d.drafter.cfg.num_layers)]
+
+
+def verify(
+    target: TargetModel,
+    cache: KVCache,
+    drafting: Drafting | None,
+    plans: list[Plan],
+    prefills: list[Prefill],
+) -> tuple[TargetOutput, list[tuple[int, int, int]]]:
+    """Step 5. One packed pass: Σ k̂_i verification tokens plus the prefill chunks.
+
+    Returns the output and, per plan then per prefill, (first packed row, token count,
+    first logits row)."""
+    ids: list[int] = []
+    slots: list[int] = []
+    lengths: list[int] = []
+    logit_rows: list[int] = []
+    rows: list[tuple[int, int, int]] = []
+    for p in plans:
+        rows.append((len(ids), p.verify_len, len(logit_rows)))
+        logit_rows.extend(range(len(ids), len(ids) + p.verify_len))
+        ids += [p.req.anchor, *p.drafts]
+        slots.append(p.req.slot)
+        lengths.append(p.verify_len)
+    for pre in prefills:
+        r = pre.req
+        rows.append((len(ids), pre.n, len(logit_rows)))
+        ids += r.prompt_ids[r.prefilled : r.prefilled + pre.n]
+        if r.prefilled + pre.n == len(r.prompt_ids):
+            logit_rows.append(len(ids) - 1)
+        slots.append(r.slot)
+        lengths.append(pre.n)
+    batch = PackedBatch(torch.tensor(ids), tuple(slots), tuple(lengths))
+    capture = drafting.drafter.cfg.target_layer_ids if drafting is not None else ()
+    out = target(
+        batch,
+        cache,
+        capture_layers=tuple(capture),
+        logits=torch.tensor(logit_rows, dtype=torch.long),
+    )
+    return out, rows
+
+
+def accept_and_commit(
+    cache: KVCache,
+    drafting: Drafting | None,
+    plan: Plan,
+    out: TargetOutput,
+    row: tuple[int, int, int],
+) -> Verified:
+    r, (first, n, logit_first) = plan.req, row
+    assert out.logits is not None
+    logits = out.logits[logit_first : logit_first + n]  # (k̂, V)
+    drafts = torch.tensor(plan.drafts, dtype=torch.long)
+    # 6. accept: longest agreeing prefix + the target's bonus token
+    p = r.params
+    acc = (
+        greedy_accept(logits, drafts)
+        if p.greedy
+        else sampled_accept(logits, drafts, p.temperature, p.top_k, p.top_p, r.generator)
+    )
+    # 7. commit: keep anchor + accepted drafts in the KV cache and the drafter context
+    cache.truncate(r.slot, r.anchor_pos + acc.accepted + 1)
+    if r.features is not None and drafting is not None and out.features is not None:
+        drafting.features.append(r.features, out.features[first : first + acc.accepted + 1])
+    tokens = [*plan.drafts[: acc.accepted], acc.bonus_token]
+    return Verified(plan, acc.accepted, tokens, ["draft"] * acc.accepted + ["target"])
+
+
+def commit_prefill(
+    drafting: Drafting | None, pre: Prefill, out: TargetOutput, row: tuple[int, int, int]
+) -> int | None:
+    """A prompt chunk is in the cache; when it was the last one, the target's first token."""
+    r, (first, n, logit_row) = pre.req, row
+    if r.features is not None and drafting is not None and out.features is not None:
+        drafting.features.append(r.features, out.features[first : first + n])
+    r.prefilled += n
+    if not r.prefill_done:
+        return None
+    assert out.logits is not None
+    logits = out.logits[logit_row : logit_row + 1]  # (1, V)
+    p = r.params
+    if p.greedy:
+        return int(logits.argmax(-1))
+    return int(sample(target_probs(logits, p.temperature, p.top_k, p.top_p), r.generator))
