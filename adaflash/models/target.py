@@ -12,14 +12,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from adaflash.config import TargetConfig
 from adaflash.models.batch_attention import AttentionPlan, attend_packed
 from adaflash.models.checkpoint import load_tensors, resolve_dtype
 from adaflash.models.kv_cache import KVCache
-from adaflash.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_bias, fuse_rows
+from adaflash.models.layers import (
+    Projection,
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    apply_rope,
+    fuse_bias,
+    fuse_rows,
+    linear,
+    pack,
+)
 
 
 @dataclass(frozen=True)
@@ -59,17 +68,21 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        self.o_proj = Projection(cfg.num_heads * d, h, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv: torch.Tensor | None = None  # fused q|k|v weight (``fuse``)
         self.qkv_bias: torch.Tensor | None = None
+        self.qkv_packed: torch.Tensor | None = None
 
     def fuse(self) -> None:
-        """One projection instead of three: q, k and v weights become views of one tensor."""
+        """One projection instead of three (q, k and v weights become views of one tensor),
+        packed for oneDNN where that applies; o_proj packed too."""
         self.qkv = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
         if self.q_proj.bias is not None:
             self.qkv_bias = fuse_bias(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_packed = pack(self.qkv)
+        self.o_proj.pack_weight()
 
     def forward(
         self,
@@ -82,7 +95,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         if self.qkv is not None:
-            qkv = F.linear(x, self.qkv, self.qkv_bias)  # (T, (heads + 2·kv_heads)·d)
+            qkv = linear(x, self.qkv, self.qkv_bias, self.qkv_packed)  # (T, (heads + 2·kv)·d)
             q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -125,7 +138,7 @@ class TargetModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -151,6 +164,7 @@ class TargetModel(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self.lm_head.pack_weight()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: (N, H) → (N, V) float32."""

@@ -98,3 +98,19 @@ def test_flash_attn_matches_sdpa_on_gpu():
     flash = attend(q, k, v, m)  # goes to flash-attn
     dense = attend(q.float(), k.float(), v.float(), m.dense("cuda"))
     assert torch.allclose(flash.float(), dense, atol=2e-2)
+
+
+def test_packed_weights_give_the_same_bf16_results_and_can_be_switched_off(monkeypatch):
+    from adaflash.models.layers import linear, pack
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    packed = pack(w)
+    if packed is None:
+        pytest.skip("oneDNN is not available in this torch build")
+    for m in (1, 3, 17):
+        x = torch.randn(m, 64, generator=g).bfloat16()
+        assert torch.equal(linear(x, w, None, packed), F.linear(x, w))
+    assert pack(w.float()) is None  # fp32 stays on F.linear (the exactness tests run there)
+    monkeypatch.setenv("ADAFLASH_PACKED_WEIGHTS", "0")
+    assert pack(w) is None

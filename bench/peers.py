@@ -1,0 +1,251 @@
+"""AdaFlash against the engines a user could run instead, on this machine, in one run.
+
+Engines (each generating exactly --new-tokens greedy tokens per prompt after the chat-templated
+prompt, EOS ignored, so every engine does the same work):
+
+- ``adaflash-ar``: our engine, plain decoding (bf16);
+- ``adaflash-head``: our engine with the default drafter and the length head (speculative);
+- ``hf``: Hugging Face transformers ``generate`` (bf16, left-padded batches);
+- ``llamacpp-bf16`` / ``llamacpp-q4_1``: llama.cpp through llama-cpp-python's low-level API, one
+  ``llama_decode`` per step for the whole batch (sequence ids), greedy argmax on its logits.
+
+Rounds are interleaved (engine A, B, C, … then again), and each cell reports the median and the
+min/max over rounds. ``ms_per_step`` is wall time per decode step after the prefill.
+llama.cpp is optional (``pip install 'adaflash[bench]'``, built from source, about 20 minutes;
+``scripts/peer_models.sh`` builds it and makes the GGUF files).
+
+    python bench/peers.py --threads 2 --batches 1 8 32 --rounds 3 \
+        --gguf-bf16 ~/.cache/adaflash/gguf/smollm2-135m-instruct-bf16.gguf \
+        --gguf-q4 ~/.cache/adaflash/gguf/smollm2-135m-instruct-q4_1.gguf \
+        --out docs/results/engine/peers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adaflash.cli import default_drafter, encode_prompt
+from adaflash.config import EngineConfig, SamplingParams
+from adaflash.engine.engine import Engine
+from adaflash.models.drafter import load_drafter
+from adaflash.models.target import TargetModel, load_target
+from adaflash.pull import resolve_target
+from adaflash.tokenizer import Tokenizer
+from adaflash.workloads import load_prompts
+
+Run = Callable[[list[list[int]], int], tuple[float, float]]  # → (tok/s, ms per decode step)
+
+
+def adaflash_runner(target: TargetModel, drafter, policy: str) -> Run:  # type: ignore[no-untyped-def]
+    def run(prompts: list[list[int]], new: int) -> tuple[float, float]:
+        engine = Engine(
+            target,
+            drafter if policy != "ar" else None,
+            EngineConfig(
+                policy=policy,
+                max_running_requests=len(prompts),
+                max_batch_tokens=max(512, 16 * len(prompts)),
+                max_prefill_tokens=4096,
+            ),
+        )
+        params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        return engine.stats.output_tokens / wall, 1e3 * wall / engine.stats.steps
+
+    return run
+
+
+def hf_runner(folder: Path, pad_id: int) -> Run:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+
+    def run(prompts: list[list[int]], new: int) -> tuple[float, float]:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+        wall = time.perf_counter() - t0
+        return len(prompts) * new / wall, 1e3 * wall / new
+
+    return run
+
+
+class LlamaCpp:
+    """Batched greedy decoding with llama.cpp's C API (llama-cpp-python bindings)."""
+
+    def __init__(self, path: Path, threads: int, max_batch: int, n_ctx: int = 8192) -> None:
+        import llama_cpp as lc
+
+        self.lc = lc
+        lc.llama_backend_init()
+        mparams = lc.llama_model_default_params()
+        if hasattr(mparams, "use_extra_bufts"):
+            mparams.use_extra_bufts = False  # its AMX Q4 path crashes on some Intel CPUs
+        self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_ctx
+        cparams.n_ubatch = 512
+        cparams.n_seq_max = max_batch
+        cparams.n_threads = cparams.n_threads_batch = threads
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(n_ctx, 0, max_batch)
+
+    def _add(self, token: int, pos: int, seq: int, logits: bool) -> None:
+        b = self.batch
+        i = b.n_tokens
+        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+        b.seq_id[i][0] = seq
+        b.n_tokens += 1
+
+    def _argmax(self, i: int) -> int:
+        ptr = self.lc.llama_get_logits_ith(self.ctx, i)
+        arr = np.ctypeslib.as_array(
+            ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (self.n_vocab,)
+        )
+        return int(arr.argmax())
+
+    def run(self, prompts: list[list[int]], new: int) -> tuple[float, float]:
+        lc = self.lc
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        t0 = time.perf_counter()
+        self.batch.n_tokens = 0
+        last = []
+        for s, p in enumerate(prompts):
+            for j, tok in enumerate(p):
+                self._add(tok, j, s, j == len(p) - 1)
+            last.append(self.batch.n_tokens - 1)
+        if lc.llama_decode(self.ctx, self.batch) != 0:
+            raise RuntimeError("llama_decode failed on the prompts")
+        nxt = [self._argmax(i) for i in last]
+        pos = [len(p) for p in prompts]
+        t1 = time.perf_counter()
+        for _ in range(new - 1):
+            self.batch.n_tokens = 0
+            for s, tok in enumerate(nxt):
+                self._add(tok, pos[s], s, True)
+                pos[s] += 1
+            if lc.llama_decode(self.ctx, self.batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            nxt = [self._argmax(i) for i in range(len(prompts))]
+        wall = time.perf_counter() - t0
+        return len(prompts) * new / wall, 1e3 * (time.perf_counter() - t1) / max(new - 1, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--engines", nargs="+", default=None, help="subset of the engines")
+    ap.add_argument("--drafter", default=None, help="drafter of adaflash-head (default: shipped)")
+    ap.add_argument("--gguf-bf16", default=None)
+    ap.add_argument("--gguf-q4", default=None)
+    ap.add_argument("--note", default="", help="what else ran on the machine")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = resolve_target(None)
+    tok = Tokenizer.from_folder(folder)
+    target = load_target(folder, "bfloat16")
+    drafter_dir = args.drafter or default_drafter()
+    drafter = load_drafter(drafter_dir, "bfloat16") if drafter_dir else None
+    texts = [p.prompt for p in load_prompts("chat", "eval")]
+    runners: dict[str, Run] = {"adaflash-ar": adaflash_runner(target, None, "ar")}
+    if drafter is not None:
+        runners["adaflash-head"] = adaflash_runner(target, drafter, "head")
+    runners["hf"] = hf_runner(folder, tok.eos_token_ids[0])
+    max_b = max(args.batches)
+    if args.gguf_bf16:
+        runners["llamacpp-bf16"] = LlamaCpp(Path(args.gguf_bf16), args.threads, max_b).run
+    if args.gguf_q4:
+        runners["llamacpp-q4_1"] = LlamaCpp(Path(args.gguf_q4), args.threads, max_b).run
+    if args.engines:
+        runners = {k: v for k, v in runners.items() if k in args.engines}
+    cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for rnd in range(args.rounds):
+        for b in args.batches:
+            prompts = [
+                encode_prompt(tok, texts[(rnd * b + i) % len(texts)], True) for i in range(b)
+            ]
+            for name, run in runners.items():
+                cells.setdefault((name, b), []).append(run(prompts, args.new_tokens))
+                tps, ms = cells[(name, b)][-1]
+                print(
+                    f"round {rnd} batch {b:>2} {name:<14} {tps:7.1f} tok/s {ms:7.1f} ms/step",
+                    flush=True,
+                )
+    rows = []
+    for (name, b), vals in cells.items():
+        tps = [v[0] for v in vals]
+        rows.append(
+            {
+                "engine": name,
+                "batch": b,
+                "tok_s": round(statistics.median(tps), 2),
+                "tok_s_min": round(min(tps), 2),
+                "tok_s_max": round(max(tps), 2),
+                "ms_per_step": round(statistics.median(v[1] for v in vals), 2),
+                "threads": args.threads,
+            }
+        )
+    out = {
+        "benchmark": "bench/peers.py",
+        "settings": {
+            "new_tokens": args.new_tokens,
+            "rounds": args.rounds,
+            "prompts": "workloads/chat_eval.jsonl, chat template",
+            "drafter": str(drafter_dir) if drafter_dir else None,
+            "note": args.note,
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "rows": rows,
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    lines = ["| engine | " + " | ".join(f"batch {b} tok/s" for b in args.batches) + " |"]
+    lines.append("|---|" + "---|" * len(args.batches))
+    for name in runners:
+        cellz = []
+        for b in args.batches:
+            r = next(x for x in rows if x["engine"] == name and x["batch"] == b)
+            cellz.append(f"{r['tok_s']:.1f} ({r['tok_s_min']:.0f}–{r['tok_s_max']:.0f})")
+        lines.append(f"| {name} | " + " | ".join(cellz) + " |")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
