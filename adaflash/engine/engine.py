@@ -11,6 +11,7 @@ never interrupts a round.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import logging
@@ -376,9 +377,12 @@ class Engine:
         r.drafter_version = self.version
 
     def _install_drafter(self, drafter: DFlashDrafter, version: str) -> None:
+        """Serve a copy of ``drafter`` in the target's dtype with packed weights (the caller's
+        object may go on training)."""
         drafter.cfg.check_target(self.target.cfg)
-        drafter.to(device=self.target.device, dtype=self.target.dtype).eval()
-        drafter.requires_grad_(False)
+        drafter = copy.deepcopy(drafter).to(device=self.target.device, dtype=self.target.dtype)
+        drafter.eval().requires_grad_(False)
+        drafter.prepare_inference()
         c = drafter.cfg
         if self.features is None:  # a hot swap keeps the layers, hence the width
             self.features = FeatureStore(

@@ -21,7 +21,7 @@ from adaflash.decoding.acceptance import greedy_accept, sampled_accept
 from adaflash.decoding.sampling import sample, target_probs
 from adaflash.engine.request import FeatureStore, Request
 from adaflash.engine.scheduler import Admission, Prefill
-from adaflash.models.drafter import KV, DFlashDrafter
+from adaflash.models.drafter import KV, BatchedContext, DFlashDrafter
 from adaflash.models.kv_cache import KVCache
 from adaflash.models.length_head import verify_len
 from adaflash.models.target import PackedBatch, TargetModel, TargetOutput
@@ -165,10 +165,10 @@ def draft_plans(
     block_ids = torch.full((len(spec), k), d.drafter.cfg.mask_token_id)
     block_ids[:, 0] = torch.tensor([r.anchor for r in spec])
     positions = torch.tensor([r.anchor_pos for r in spec])[:, None] + torch.arange(k)
-    ctx = [drafter_context(d, r) for r in spec]
+    ctx = BatchedContext.stack([drafter_context(d, r) for r in spec])
     with torch.inference_mode():
         block = target.embed_tokens(block_ids.to(target.device))  # (B, k, H)
-        states = d.drafter(block, positions, ctx)  # (B, k, H)
+        states = d.drafter.draft_states(block, positions, ctx)  # (B, k, H)
         # 2. verify_len: k̂ per request (policy), never beyond the tokens still allowed
         if policy == "head":
             a_hat = d.drafter.length_head(states)  # (B,)

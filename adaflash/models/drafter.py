@@ -13,6 +13,7 @@ and sees all context. The drafter owns no embedding and no LM head; with a draft
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,58 @@ from torch import nn
 
 from adaflash.config import DrafterConfig
 from adaflash.models import draft_vocab as dv
+from adaflash.models.batch_attention import gqa_attend
 from adaflash.models.checkpoint import load_tensors, resolve_dtype, save_tensors
-from adaflash.models.layers import Mask, RMSNorm, Rotary, SwiGLU, apply_rope, attend
+from adaflash.models.layers import (
+    Mask,
+    Projection,
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    apply_rope,
+    attend,
+    linear,
+    pack,
+)
 from adaflash.models.length_head import LengthHead
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (kv_heads, n, d) each
 HEAD_PREFIX = "length_head."
+
+
+@dataclass(frozen=True)
+class BatchedContext:
+    """The context of B requests for one drafter pass at serving time: per layer, keys and
+    values padded to the longest context (B, kv_heads, C, d), and each request's length."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor  # (B,)
+
+    @classmethod
+    def stack(cls, per_request: list[list[KV]]) -> BatchedContext:
+        """Per request, per layer (kv_heads, C_b, d) → padded per layer."""
+        lengths = torch.tensor([kv[0][0].shape[1] for kv in per_request])
+        longest = int(lengths.max())
+        keys, values = [], []
+        for li in range(len(per_request[0])):
+            k0 = per_request[0][li][0]
+            kk = k0.new_zeros(len(per_request), k0.shape[0], longest, k0.shape[2])
+            vv = torch.zeros_like(kk)
+            for b, kv in enumerate(per_request):
+                n = kv[li][0].shape[1]
+                kk[b, :, :n], vv[b, :, :n] = kv[li][0], kv[li][1]
+            keys.append(kk)
+            values.append(vv)
+        return cls(keys, values, lengths)
+
+    def bias(self, block: int) -> torch.Tensor:
+        """(B, 1, 1, Q, C + Q) additive mask: padding keys hidden, the whole block visible."""
+        longest = self.keys[0].shape[2]
+        hidden = torch.arange(longest)[None, :] >= self.lengths[:, None]  # (B, C)
+        ctx = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+        full = torch.cat([ctx, torch.zeros(len(self.lengths), block)], dim=1)  # (B, C + Q)
+        return full[:, None, None, None, :].expand(-1, 1, 1, block, -1)
 
 
 class DrafterAttention(nn.Module):
@@ -34,10 +81,10 @@ class DrafterAttention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_proj = Projection(h, cfg.num_heads * d, bias=False)
+        self.k_proj = Projection(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = Projection(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = Projection(cfg.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
@@ -48,6 +95,28 @@ class DrafterAttention(nn.Module):
         k = apply_rope(k, cos, sin)
         v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
         return k.transpose(0, 1), v.transpose(0, 1)
+
+    def batched(
+        self,
+        x: torch.Tensor,  # (B, Q, H) block states after input_layernorm
+        cos: torch.Tensor,  # (B·Q, d)
+        sin: torch.Tensor,
+        ctx_keys: torch.Tensor,  # (B, kv_heads, C, d)
+        ctx_values: torch.Tensor,
+        bias: torch.Tensor,  # (B, 1, 1, Q, C + Q)
+    ) -> torch.Tensor:
+        """Serving: every request's block in one set of projections and one GQA attention."""
+        b, q_len, h = x.shape
+        flat = x.reshape(b * q_len, h)
+        q = self.q_norm(self.q_proj(flat).view(b * q_len, self.heads, self.head_dim))
+        q = apply_rope(q, cos, sin).view(b, q_len, self.heads, self.head_dim)
+        k_blk, v_blk = self.project_kv(flat, cos, sin)  # (kv_heads, B·Q, d)
+        k_blk = k_blk.view(self.kv_heads, b, q_len, self.head_dim).transpose(0, 1)
+        v_blk = v_blk.view(self.kv_heads, b, q_len, self.head_dim).transpose(0, 1)
+        keys = torch.cat([ctx_keys, k_blk], dim=2)  # (B, kv_heads, C + Q, d)
+        values = torch.cat([ctx_values, v_blk], dim=2)
+        out = gqa_attend(q, keys, values, bias)  # (B, Q, heads, d)
+        return self.o_proj(out.reshape(b, q_len, -1))
 
     def forward(
         self,
@@ -99,14 +168,16 @@ class DFlashDrafter(nn.Module):
         h = cfg.hidden_size
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.fc = nn.Linear(cfg.num_features * h, h, bias=False)
+        self.fc = Projection(cfg.num_features * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.length_head = LengthHead(h, cfg.length_head_hidden)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.head_trained = True  # False when loaded from a plain DFlash checkpoint
         self.draft_vocab: torch.Tensor | None = None  # (V_d,) target ids; None = all of them
         self.draft_vocab_info: dict[str, Any] = {}
-        self._head: tuple[tuple[int, torch.dtype, torch.device], torch.Tensor] | None = None
+        self._head: (
+            tuple[tuple[int, torch.dtype, torch.device], torch.Tensor, torch.Tensor | None] | None
+        ) = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -129,20 +200,26 @@ class DFlashDrafter(nn.Module):
 
     def draft_head(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """The rows of the target's LM head this drafter scores: (V_d, H), kept between calls."""
-        if self.draft_vocab is None:
-            return lm_head_weight
+        return self._draft_head(lm_head_weight)[0]
+
+    def _draft_head(self, lm_head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = (lm_head_weight.data_ptr(), lm_head_weight.dtype, lm_head_weight.device)
         if self._head is None or self._head[0] != key:
             # a plain (non-inference) tensor: training saves it for the backward pass
             with torch.inference_mode(False), torch.no_grad():
-                rows = self.draft_vocab.to(lm_head_weight.device)
-                self._head = (key, lm_head_weight[rows].clone())
-        return self._head[1]
+                if self.draft_vocab is None:
+                    head = lm_head_weight
+                else:
+                    head = lm_head_weight[self.draft_vocab.to(lm_head_weight.device)].clone()
+            self._head = (key, head, None if self.training else pack(head))
+        return self._head[1], self._head[2]
 
     def draft_logits(self, states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Block states (N, H) → logits over the draft vocabulary (N, V_d). A 2-D contiguous
         input keeps torch on one GEMM."""
-        head = self.draft_head(lm_head_weight)
+        head, packed = self._draft_head(lm_head_weight)
+        if packed is not None and not torch.is_grad_enabled():
+            return linear(states.to(head.dtype), head, None, packed)
         return states.to(head.dtype) @ head.T
 
     def to_target_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
@@ -161,6 +238,36 @@ class DFlashDrafter(nn.Module):
         c = self.fuse(features.to(self.dtype))  # (n, H)
         cos, sin = self.rotary(positions, c.dtype)
         return [layer.self_attn.project_kv(c, cos, sin) for layer in self.drafter_layers]
+
+    def draft_states(
+        self,
+        block: torch.Tensor,  # (B, Q, H) target embeddings of [anchor, mask, …]
+        positions: torch.Tensor,  # (B, Q) absolute positions
+        ctx: BatchedContext,
+    ) -> torch.Tensor:
+        """Serving: the final normed block states (B, Q, H) of B requests at once (same result
+        as ``forward`` with per-request contexts and no masks)."""
+        q_len = block.shape[1]
+        cos, sin = self.rotary(positions.reshape(-1), block.dtype)  # (B·Q, d)
+        bias = ctx.bias(q_len)
+        x = block
+        for li, layer in enumerate(self.drafter_layers):
+            # Context never passes a layer's input norm or MLP: only its k/v projections.
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn.batched(h, cos, sin, ctx.keys[li], ctx.values[li], bias)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def prepare_inference(self) -> None:
+        """Serving only (never on a drafter that trains): packed weights for oneDNN and a
+        fused gate|up."""
+        for layer in self.drafter_layers:
+            layer.mlp.fuse()
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                m = getattr(layer.self_attn, proj)
+                m.packed = pack(m.weight)
+        self.fc.packed = pack(self.fc.weight)
+        self._head = None  # the draft head gets packed with the new dtype
 
     def forward(
         self,

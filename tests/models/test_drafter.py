@@ -135,3 +135,32 @@ def test_block_prediction_sees_context_and_is_bidirectional():
 def test_default_feature_layers_match_dflash():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(30, 1) == [15]
+
+
+def test_batched_serving_pass_equals_the_per_request_pass():
+    """draft_states (one batched pass, padded contexts, packed weights) computes what the
+    per-request ``forward`` (the training path) computes: train and serve see the same drafter."""
+    import copy
+
+    from adaflash.models.drafter import BatchedContext
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(48, 96, 2, 4, 2, 12, VOCAB, 6, (1, 3), VOCAB - 1, block_size=4)
+    drafter = DFlashDrafter(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    lengths = [7, 3, 12]
+    ctx = [
+        drafter.context_kv(torch.randn(n, 2 * 48, generator=g), torch.arange(n)) for n in lengths
+    ]
+    block = torch.randn(3, 4, 48, generator=g)
+    positions = torch.tensor(lengths)[:, None] + torch.arange(4)
+    with torch.no_grad():
+        want = drafter(block, positions, ctx)
+        got = drafter.draft_states(block, positions, BatchedContext.stack(ctx))
+    assert torch.allclose(want, got, atol=1e-5)
+    served = copy.deepcopy(drafter).to(torch.bfloat16)
+    served.prepare_inference()
+    ctx16 = [[(k.bfloat16(), v.bfloat16()) for k, v in kv] for kv in ctx]
+    with torch.inference_mode():
+        fast = served.draft_states(block.bfloat16(), positions, BatchedContext.stack(ctx16))
+    assert torch.allclose(want, fast.float(), atol=0.1, rtol=0.05)
