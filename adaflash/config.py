@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 SUPPORTED_TARGETS = ("llama", "qwen3")
-Policy = Literal["ar", "fixed", "head"]
+Policy = Literal["ar", "fixed", "head", "cost"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 DEFAULT_BLOCK_SIZE = 16  # k, drafted tokens per block (SPEC §2)
 

@@ -24,7 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from adaflash.config import DEFAULT_BLOCK_SIZE, POLICIES, EngineConfig, SamplingParams
+from adaflash.cost_model import CostModel
 from adaflash.engine.detokenize import cut_at_stop
+from adaflash.engine.policy import Policy, PolicyContext, make_policy
 from adaflash.engine.records import NullSink, RecordSink, RequestRecord, RoundRecord
 from adaflash.engine.request import (
     EventCallback,
@@ -119,7 +121,9 @@ class Engine:
         if drafter is not None:
             self._install_drafter(drafter, drafter_version)
         self.policy: str = cfg.policy
+        self._policy: Policy = make_policy(cfg.policy, self.block_size)
         self.gamma: float = cfg.gamma
+        self.cost = CostModel()
         self.counters = SpecCounters(self.block_size)
         self.stats = EngineStats()
         self.admission = Admission(
@@ -221,19 +225,30 @@ class Engine:
             suspect = next(r for r in self.running if id(r) in self._suspects)
             prefills = [p for p in prefills if p.req is suspect]
             chosen = [suspect] if suspect.prefill_done else []
+        ctx = PolicyContext(
+            self.block_size,
+            self.gamma,
+            self.cost,
+            self.cfg.max_batch_tokens,
+            sum(p.n for p in prefills),
+        )
         res = speculative_round(
             self.target,
             self.cache,
             self.drafting,
             chosen,
             prefills,
-            self.policy,
-            self.gamma,
+            self._policy,
+            ctx,
             self.admission,
         )
         if not res.passed:
             return False
         self.stats.draft_errors += int(res.draft_failed)
+        if res.pass_error is None:
+            self.cost.observe_target(res.pass_tokens, len(res.passed), res.verify_ms / 1e3)
+            if res.drafted and not res.draft_failed:
+                self.cost.observe_drafter(res.drafted, res.draft_ms / 1e3)
         if res.pass_error is not None:
             self._pass_failed(res.passed, res.pass_error)
             return True
@@ -266,6 +281,7 @@ class Engine:
         r.verified += plan.verify_len - 1
         r.draft_ms += res.draft_ms if plan.drafted else 0.0
         r.verify_ms += res.verify_ms
+        self._policy.observe(r, plan.verify_len, v.accepted, self.block_size)
         emitted = self._guarded(r, lambda: self._emit(r, v.tokens, v.kinds)) or 0
         self.counters.add_round(plan.verify_len, v.accepted, plan.drafted)
         self.sink.offer(
@@ -413,9 +429,13 @@ class Engine:
                 self._install_drafter(cmd.drafter, cmd.version)
                 for r in self.running:  # context KV depends on drafter weights: rebuild lazily
                     r.draft_slot, r.ctx_version, r.ctx_len = -1, None, 0
+                    r.slot_seen, r.slot_ok = [], []  # and so does its acceptance profile
+                self._policy = make_policy(self.policy, self.block_size)
                 self.stats.swaps += 1
             elif isinstance(cmd, _SetPolicy):
-                self.policy = cmd.policy or self.policy
+                if cmd.policy and cmd.policy != self.policy:
+                    self.policy = cmd.policy
+                    self._policy = make_policy(cmd.policy, self.block_size)
                 self.gamma = cmd.gamma or self.gamma
 
     def _abort(self, request_id: str | None) -> None:

@@ -103,6 +103,9 @@ class Request:
     rounds: int = 0
     accepted: int = 0
     verified: int = 0  # drafts sent to the target, Σ(k̂ − 1)
+    slot_seen: list[float] = field(default_factory=list)  # decayed: slot i verified …
+    slot_ok: list[float] = field(default_factory=list)  # … and accepted (its profile)
+    last_drafted: int = 0  # ``rounds`` when it last had drafts verified
     draft_ms: float = 0.0  # time of the drafter passes it was in (shared with its batch)
     verify_ms: float = 0.0  # time of the target passes that verified it
     drafter_version: str = ""

@@ -19,11 +19,11 @@ import torch
 
 from adaflash.decoding.acceptance import greedy_accept, sampled_accept
 from adaflash.decoding.sampling import sample, target_probs
+from adaflash.engine.policy import Policy, PolicyContext
 from adaflash.engine.request import FeatureStore, Request
 from adaflash.engine.scheduler import Admission, Prefill
 from adaflash.models.drafter import KV, BatchedContext, DFlashDrafter
 from adaflash.models.kv_cache import KVCache
-from adaflash.models.length_head import verify_len
 from adaflash.models.target import PackedBatch, TargetModel, TargetOutput
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ class RoundResult:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     draft_failed: bool = False
+    drafted: int = 0  # requests the drafter ran for
+    pass_tokens: int = 0  # tokens in the target pass
 
 
 def speculative_round(
@@ -88,14 +90,16 @@ def speculative_round(
     drafting: Drafting | None,
     chosen: list[Request],
     prefills: list[Prefill],
-    policy: str,
-    gamma: float,
+    policy: Policy,
+    ctx: PolicyContext,
     admission: Admission,
 ) -> RoundResult:
     res = RoundResult()
     t0 = time.perf_counter()
-    # 1–3. draft_block, verify_len, drafts: one drafter pass for every speculating request
-    plans, res.draft_failed = draft(target, drafting, chosen, policy, gamma)
+    # 1–3. draft_block, verify_len, drafts: one drafter pass for the requests the policy lets
+    # draft (none: no drafter pass at all)
+    plans, res.draft_failed = draft(target, drafting, chosen, policy, ctx)
+    res.drafted = sum(1 for p in plans if p.drafted)
     t1 = time.perf_counter()
     # 4. admission: Σ k̂ under the verification budget; the rest wait for the next step
     fit = admission.pack([p.verify_len for p in plans])
@@ -104,6 +108,7 @@ def speculative_round(
     res.passed = [p.req for p in plans] + [p.req for p in prefills]
     if not res.passed:
         return res
+    res.pass_tokens = sum(p.verify_len for p in plans) + sum(p.n for p in prefills)
     # 5. verify: one packed target pass over every [anchor, drafts] and the prefill chunks
     try:
         out, rows = verify(target, cache, drafting, plans, prefills)
@@ -130,25 +135,26 @@ def speculative_round(
     return res
 
 
-def speculates(r: Request, drafting: Drafting | None, policy: str) -> bool:
-    return policy != "ar" and drafting is not None and r.features is not None and r.tokens_left > 1
+def can_draft(r: Request, drafting: Drafting | None) -> bool:
+    return drafting is not None and r.features is not None and r.tokens_left > 1
 
 
 def draft(
     target: TargetModel,
     drafting: Drafting | None,
     reqs: list[Request],
-    policy: str,
-    gamma: float,
+    policy: Policy,
+    ctx: PolicyContext,
 ) -> tuple[list[Plan], bool]:
     """Steps 1–3. A drafter failure costs this round its speculation, nothing more (those
     requests take a plain step; their context is rebuilt from raw features next time)."""
     plans = {id(r): Plan(r, 1, [], 0) for r in reqs}
-    spec = [r for r in reqs if speculates(r, drafting, policy)]
+    spec = policy.drafters([r for r in reqs if can_draft(r, drafting)], ctx)
+    ctx.plain_requests = len(reqs) - len(spec)
     failed = False
     if spec and drafting is not None:
         try:
-            plans.update(draft_plans(target, drafting, spec, policy, gamma))
+            plans.update(draft_plans(target, drafting, spec, policy, ctx))
         except Exception:
             log.exception("drafter pass failed; these requests take a plain step")
             failed = True
@@ -158,23 +164,20 @@ def draft(
 
 
 def draft_plans(
-    target: TargetModel, d: Drafting, spec: list[Request], policy: str, gamma: float
+    target: TargetModel, d: Drafting, spec: list[Request], policy: Policy, ctx: PolicyContext
 ) -> dict[int, Plan]:
     k = d.drafter.cfg.block_size
     # 1. draft_block: [anchor, mask_token_id × (k−1)] at positions p … p+k−1
     block_ids = torch.full((len(spec), k), d.drafter.cfg.mask_token_id)
     block_ids[:, 0] = torch.tensor([r.anchor for r in spec])
     positions = torch.tensor([r.anchor_pos for r in spec])[:, None] + torch.arange(k)
-    ctx = BatchedContext.stack([drafter_context(d, r) for r in spec])
+    context = BatchedContext.stack([drafter_context(d, r) for r in spec])
     with torch.inference_mode():
         block = target.embed_tokens(block_ids.to(target.device))  # (B, k, H)
-        states = d.drafter.draft_states(block, positions, ctx)  # (B, k, H)
+        states = d.drafter.draft_states(block, positions, context)  # (B, k, H)
         # 2. verify_len: k̂ per request (policy), never beyond the tokens still allowed
-        if policy == "head":
-            a_hat = d.drafter.length_head(states)  # (B,)
-            k_hat = verify_len(a_hat, k, gamma)
-        else:
-            a_hat, k_hat = None, torch.full((len(spec),), k)
+        a_hat = d.drafter.length_head(states) if policy.uses_head else None  # (B,)
+        k_hat = policy.widths(spec, a_hat, ctx).clamp(1, k)
         k_hat = torch.minimum(k_hat, torch.tensor([r.tokens_left for r in spec]))
         # 3. drafts: argmax over the draft vocabulary on the mask slots to be verified
         if d.propose is not None:

@@ -81,14 +81,19 @@ def spec_samples(engine, temperature, top_k, top_p) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p", "drafter_kind"),
-    [(1.0, 3, 1.0, "oracle"), (0.7, 4, 0.9, "oracle"), (1.0, 3, 1.0, "random")],
+    ("temperature", "top_k", "top_p", "drafter_kind", "policy"),
+    [
+        (1.0, 3, 1.0, "oracle", "fixed"),
+        (0.7, 4, 0.9, "oracle", "fixed"),
+        (1.0, 3, 1.0, "random", "fixed"),
+        (1.0, 3, 1.0, "oracle", "cost"),  # widths vary, k̂ = 0 (no draft) included
+    ],
 )
 def test_speculative_sampling_matches_target_distribution(
-    tiny, temperature, top_k, top_p, drafter_kind
+    tiny, temperature, top_k, top_p, drafter_kind, policy
 ):
     _, target, _ = tiny
-    cfg = EngineConfig(policy="fixed", max_running_requests=256, max_batch_tokens=4096)
+    cfg = EngineConfig(policy=policy, max_running_requests=256, max_batch_tokens=4096)
     drafter = random_drafter(target)
     engine = (
         OracleEngine(

@@ -1,0 +1,199 @@
+"""Verify-length policies: who drafts this step, and how many block slots the target verifies.
+
+- ``ar``: nobody drafts (plain decoding).
+- ``fixed``: everybody drafts, k̂ = k (DFlash).
+- ``head``: everybody drafts, k̂ = clamp(⌊γ·â·k⌋, 1, k) from the length head (AdaFlash §3.2).
+- ``cost``: maximise expected tokens per second with the online ``CostModel`` — a request may
+  not draft at all (k̂ = 0: a plain decode step), and when nobody drafts the drafter does not
+  run, so a step costs exactly a plain decode step. Speculation never loses by more than the
+  estimates are off.
+
+``cost`` in detail. Each request keeps decayed counts of how often each draft slot was accepted
+when verified; its acceptance profile a_i is those counts shrunk towards the engine-wide profile.
+The expected tokens from verifying w slots are τ(w) = 1 + Σ_{i<w} Π_{j≤i} a_j. With the drafter's
+cost and the target's cost per verified token fixed, adding the next slot of a request pays
+exactly when its survival Π a_j exceeds the current tokens-per-second times the time of one more
+verified token; so slots are added greedily by survival, and the step's rate is evaluated for
+every prefix. Who drafts is chosen the same way, comparing the best rate with each number of
+drafting requests against the plain step. Every ``probe_every`` steps a request that has not
+drafted for that long drafts anyway (its profile may be stale after a hot swap or a new domain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adaflash.cost_model import CostModel
+from adaflash.engine.request import Request
+from adaflash.models.length_head import verify_len
+
+
+@dataclass
+class PolicyContext:
+    block_size: int
+    gamma: float
+    cost: CostModel
+    budget: int  # verification tokens the pass may hold
+    other_tokens: int  # prefill tokens in the same pass
+    plain_requests: int = 0  # ready requests that do not draft this step (set by the round)
+
+
+class Policy:
+    """Base: everybody who can draft drafts, and verifies the whole block (``fixed``)."""
+
+    name = "fixed"
+    uses_head = False
+
+    def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
+        return ready
+
+    def widths(
+        self, spec: list[Request], a_hat: torch.Tensor | None, ctx: PolicyContext
+    ) -> torch.Tensor:
+        """k̂ per drafting request (anchor included), in [1, k]."""
+        return torch.full((len(spec),), ctx.block_size)
+
+    def reset(self) -> None:
+        """A new drafter version: what was learned about the old one no longer holds."""
+
+    def observe(self, r: Request, verify_len: int, accepted: int, block_size: int) -> None:
+        """A verified round's outcome (every policy keeps the per-request profile current)."""
+        if verify_len < 2:
+            return
+        seen, ok = profile(r, block_size)
+        for i in range(verify_len - 1):  # slot i + 1 was verified
+            seen[i] = DECAY * seen[i] + 1.0
+            ok[i] = DECAY * ok[i] + float(i < accepted)
+        r.last_drafted = r.rounds
+
+
+class ArPolicy(Policy):
+    name = "ar"
+
+    def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
+        return []
+
+
+class HeadPolicy(Policy):
+    name = "head"
+    uses_head = True
+
+    def widths(
+        self, spec: list[Request], a_hat: torch.Tensor | None, ctx: PolicyContext
+    ) -> torch.Tensor:
+        assert a_hat is not None
+        return verify_len(a_hat, ctx.block_size, ctx.gamma)
+
+
+DECAY = 0.9  # per verified round: a request's profile follows its last ~10 rounds
+PRIOR_WEIGHT = 2.0  # rounds' worth of the engine-wide profile mixed into each request's
+
+
+def profile(r: Request, block_size: int) -> tuple[list[float], list[float]]:
+    if len(r.slot_seen) != block_size - 1:
+        r.slot_seen, r.slot_ok = [0.0] * (block_size - 1), [0.0] * (block_size - 1)
+    return r.slot_seen, r.slot_ok
+
+
+class CostPolicy(Policy):
+    name = "cost"
+
+    def __init__(self, block_size: int, probe_every: int = 16, probe_width: int = 4) -> None:
+        self.block_size, self.probe_every, self.probe_width = block_size, probe_every, probe_width
+        self.probing: set[int] = set()
+        self.reset()
+
+    def reset(self) -> None:
+        # engine-wide profile: decayed counts over all requests (optimistic start: explore)
+        self.seen = [1.0] * (self.block_size - 1)
+        self.ok = [1.0] * (self.block_size - 1)
+
+    def observe(self, r: Request, verify_len: int, accepted: int, block_size: int) -> None:
+        super().observe(r, verify_len, accepted, block_size)
+        if len(self.seen) != block_size - 1:
+            self.seen, self.ok = [1.0] * (block_size - 1), [1.0] * (block_size - 1)
+        for i in range(verify_len - 1):
+            self.seen[i] = 0.995 * self.seen[i] + 1.0
+            self.ok[i] = 0.995 * self.ok[i] + float(i < accepted)
+
+    def survival(self, r: Request, block_size: int) -> list[float]:
+        """Π_{j≤i} a_j for slots i = 1 … k−1 of this request."""
+        seen, ok = profile(r, block_size)
+        out, s = [], 1.0
+        for i in range(block_size - 1):
+            prior = self.ok[i] / max(self.seen[i], 1e-9)
+            a = (ok[i] + PRIOR_WEIGHT * prior) / (seen[i] + PRIOR_WEIGHT)
+            s *= min(max(a, 0.0), 1.0)
+            out.append(s)
+        return out
+
+    def plan(
+        self, reqs: list[Request], n_drafting: int, ctx: PolicyContext, plain: int
+    ) -> tuple[float, dict[int, int]]:
+        """Best expected rate (tokens/s) and widths when ``reqs`` draft (``plain`` others
+        take a plain step): greedy slots by survival."""
+        k = ctx.block_size
+        widths = {id(r): 1 for r in reqs}
+        tokens = float(len(reqs) + plain)  # every request yields at least its bonus token
+        n_tok = len(reqs) + plain + ctx.other_tokens
+        n_req = len(reqs) + plain
+        fixed = ctx.cost.drafter_s(n_drafting)
+        best_rate = tokens / (fixed + ctx.cost.target_s(n_tok, n_req))
+        best = dict(widths)
+        cands = sorted(
+            ((s, id(r), i + 2) for r in reqs for i, s in enumerate(self.survival(r, k))),
+            key=lambda c: -c[0],
+        )
+        for s, rid, w in cands:  # each request's slots come in order: survival decreases
+            if widths[rid] != w - 1 or n_tok + 1 > ctx.budget + ctx.other_tokens:
+                continue
+            widths[rid] = w
+            tokens += s
+            n_tok += 1
+            rate = tokens / (fixed + ctx.cost.target_s(n_tok, n_req))
+            if rate > best_rate:
+                best_rate, best = rate, dict(widths)
+        return best_rate, best
+
+    def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
+        if not ready:
+            return []
+        k = ctx.block_size
+        # candidates by their value: expected extra tokens from the first few slots
+        order = sorted(ready, key=lambda r: -sum(self.survival(r, k)))
+        plain_rate = len(ready) / ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
+        best_n, best_rate = 0, plain_rate
+        for n in range(1, len(order) + 1):
+            rate, _ = self.plan(order[:n], n, ctx, len(ready) - n)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        chosen = order[:best_n]
+        self.probing = set()
+        if not chosen:  # probe: a request that has not drafted for a while drafts anyway
+            stale = [r for r in ready if r.rounds - r.last_drafted >= self.probe_every]
+            if stale:
+                probe = min(stale, key=lambda r: r.last_drafted)
+                chosen, self.probing = [probe], {id(probe)}
+        return chosen
+
+    def widths(
+        self, spec: list[Request], a_hat: torch.Tensor | None, ctx: PolicyContext
+    ) -> torch.Tensor:
+        _, widths = self.plan(spec, len(spec), ctx, ctx.plain_requests)
+        return torch.tensor(
+            [max(widths[id(r)], self.probe_width if id(r) in self.probing else 1) for r in spec]
+        )
+
+
+def make_policy(name: str, block_size: int) -> Policy:
+    if name == "ar":
+        return ArPolicy()
+    if name == "fixed":
+        return Policy()
+    if name == "head":
+        return HeadPolicy()
+    if name == "cost":
+        return CostPolicy(block_size)
+    raise ValueError(f"unknown policy {name!r}")
