@@ -117,6 +117,15 @@ def build_ui(service: Service) -> gr.Blocks:
             f"{service.sink.dropped} · trainer "
             f"{'up' if service.trainer_alive() else 'not running'}"
         )
+        cost = b.cost_snapshot()
+        if cost is not None:
+            summary += (
+                f"  \ncost model (measured online): target pass {cost['target_base_ms']:.1f} ms"
+                f" + {cost['target_per_token_ms']:.2f} ms/token"
+                f" + {cost['target_per_request_ms']:.2f} ms/request · drafter pass "
+                f"{cost['drafter_base_ms']:.1f} ms + {cost['drafter_per_request_ms']:.2f}"
+                " ms/request"
+            )
         runs = d.runs
         table = [
             [

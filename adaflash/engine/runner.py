@@ -144,6 +144,9 @@ class EngineRunner:
     def waiting_count(self) -> int:
         return len(self.engine.waiting)
 
+    def cost_snapshot(self) -> dict[str, float] | None:
+        return self.engine.cost.snapshot()
+
     # -- commands (applied between two steps) ---------------------------------------------------
     def swap_drafter(self, drafter: DFlashDrafter, version: str) -> None:
         self.engine.swap_drafter(drafter, version)

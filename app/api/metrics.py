@@ -76,6 +76,17 @@ class EngineCollector:
         yield GaugeMetricFamily(
             "adaflash_gamma", "load-scaling factor γ of the length head", value=b.gamma
         )
+        cost = b.cost_snapshot()
+        if cost is not None:
+            gauge = GaugeMetricFamily(
+                "adaflash_cost_estimate",
+                "online cost model: target pass = base + per_token·tokens + per_request·"
+                "requests, drafter pass = base + per_request·requests (milliseconds)",
+                labels=["term"],
+            )
+            for term, value in cost.items():
+                gauge.add_metric([term], value)
+            yield gauge
 
 
 def render(service: Service) -> bytes:

@@ -245,6 +245,9 @@ class SGLangBackend:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def cost_snapshot(self) -> dict[str, float] | None:
+        return None  # SGLang schedules on its own; there is no cost-aware policy to feed
+
     @property
     def running_count(self) -> int:
         return len(self.running)

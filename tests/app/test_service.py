@@ -220,3 +220,13 @@ def test_an_explicit_drafter_folder_wins_over_stored_state(tmp_path):
     again.registry.activate(v.id)
     version, _, _ = again._initial_drafter(str(tmp_path / "tiny-drafter"), explicit=False)
     assert version == v.id
+
+
+def test_cost_model_moves_with_real_steps_and_is_exported(api):
+    service, client = api
+    before = service.backend.cost_snapshot()
+    client.post("/generate", json={"text": "hello there", "sampling_params": {"max_new_tokens": 8}})
+    after = service.backend.cost_snapshot()
+    assert after["target_steps_seen"] > before["target_steps_seen"]
+    text = client.get("/metrics").text
+    assert 'adaflash_cost_estimate{term="target_per_token_ms"}' in text

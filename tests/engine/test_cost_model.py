@@ -1,0 +1,54 @@
+"""The online cost model learns a machine's costs; the cost policy decides with them."""
+
+import torch
+
+from adaflash.config import SamplingParams
+from adaflash.cost_model import CostModel
+from adaflash.engine.policy import CostPolicy, PolicyContext
+from adaflash.engine.request import Request
+
+
+def test_recursive_least_squares_recovers_and_follows_costs():
+    cost = CostModel()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):  # a machine where a pass costs 30 ms + 1 ms/token + 2 ms/request
+        tokens, reqs = int(torch.randint(1, 64, (1,), generator=g)), int(torch.randint(1, 9, (1,)))
+        cost.observe_target(tokens, reqs, 0.030 + 0.001 * tokens + 0.002 * reqs)
+        cost.observe_drafter(reqs, 0.010 + 0.003 * reqs)
+    assert abs(cost.target_s(10, 2) - 0.044) < 1e-3
+    assert abs(cost.drafter_s(4) - 0.022) < 1e-3
+    for _ in range(200):  # then another process takes half the cores: everything doubles
+        tokens = int(torch.randint(1, 64, (1,), generator=g))
+        cost.observe_target(tokens, 2, 2 * (0.030 + 0.001 * tokens + 0.004))
+    assert abs(cost.target_s(10, 2) - 0.088) < 3e-3
+
+
+def req(i: int) -> Request:
+    r = Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=64))
+    r.output_ids = [5]
+    r.prefilled = 3
+    return r
+
+
+def test_cost_policy_drafts_only_when_it_pays():
+    k = 8
+    cost = CostModel()
+    for n in range(1, 40):  # verifying is nearly free next to a step's base cost
+        cost.observe_target(n, 1, 0.040 + 0.0005 * n)
+        cost.observe_drafter(1, 0.010)
+    policy = CostPolicy(k)
+    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
+    good, bad = req(0), req(1)
+    for _ in range(20):  # good's drafts are accepted 90% per slot, bad's never
+        policy.observe(good, k, 7 if torch.rand(1) < 0.9**7 else 2, k)
+        policy.observe(bad, k, 0, k)
+    assert policy.drafters([good], ctx) == [good]
+    widths = policy.widths([good], None, ctx)
+    assert int(widths[0]) >= 4  # cheap tokens, likely accepted: verify many
+    assert policy.drafters([bad], ctx) == []  # a drafter pass that yields nothing
+    # when drafting is expensive, even the good request takes a plain step
+    pricey = CostModel()
+    for n in range(1, 40):
+        pricey.observe_target(n, 1, 0.040 + 0.0005 * n)
+        pricey.observe_drafter(1, 0.200)
+    assert policy.drafters([good], PolicyContext(k, 1.0, pricey, 512, 0)) == []
