@@ -1,12 +1,13 @@
 """Engine micro-benchmark on the SmolLM2-135M shapes with random weights.
 
 Measures, in one run and on the same prompts, round time split into draft / verify and output
-tokens per second for the verify-length policies ``ar``, ``fixed`` and ``head`` at several
+tokens per second for the verify-length policies ``ar``, ``fixed``, ``head`` and ``cost`` at several
 concurrency levels. Random weights mean a random drafter: its drafts are (almost) never
 accepted, so these rows measure the *cost* side of speculation. The ``+oracle`` rows replay the
 target's own greedy tokens as drafts (a stand-in for a perfect drafter, recorded by the ``ar``
 run) to show what the same runtime gains when drafts are accepted. Speed is reported as ratios to
-``ar`` at the same concurrency, measured in the same run.
+``ar`` at the same concurrency, measured in the same run. ``verify_cost`` is the median time of
+one target pass adding n = 1, 4, 8, 16 tokens per request, as a ratio to a decode step (n = 1).
 
     python bench/bench_engine.py --out docs/results/bench_engine.json
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -23,10 +25,9 @@ import torch
 
 from adaflash.config import DrafterConfig, EngineConfig, SamplingParams, TargetConfig
 from adaflash.engine.engine import Engine
-from adaflash.engine.request import Request
 from adaflash.metrics import speedup
 from adaflash.models.drafter import DFlashDrafter
-from adaflash.models.target import TargetModel
+from adaflash.models.target import PackedBatch, TargetModel
 
 SMOLLM2_135M = TargetConfig(
     model_type="llama",
@@ -53,16 +54,45 @@ class ReplayEngine(Engine):
         super().__init__(*args, **kwargs)
         self.continuations = continuations
 
-    def _draft_tokens(
-        self, reqs: list[Request], states: torch.Tensor, width: int
-    ) -> list[list[int]]:
-        out = []
-        for r in reqs:
-            cont = self.continuations[tuple(r.prompt_ids)]
-            done = len(r.output_ids)
-            row = cont[done : done + width]
-            out.append(row + [0] * (width - len(row)))
-        return out
+    def _propose(self):  # type: ignore[no-untyped-def]
+        def propose(reqs, states, k_hat):  # type: ignore[no-untyped-def]
+            width = int(k_hat.max()) - 1
+            out = []
+            for r in reqs:
+                cont = self.continuations[tuple(r.prompt_ids)]
+                done = len(r.output_ids)
+                row = cont[done : done + width]
+                out.append(row + [0] * (width - len(row)))
+            return out, k_hat
+
+        return propose
+
+
+def verify_cost(
+    target: TargetModel, batch: int, context: int, widths: list[int], reps: int
+) -> list[dict]:
+    """Median seconds of one target pass that adds ``n`` tokens to each of ``batch`` requests
+    with ``context`` tokens cached, for n in ``widths`` (n = 1 is a decode step)."""
+    cache = target.new_cache()
+    slots = tuple(cache.allocate() for _ in range(batch))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(100, 49000, (batch * context,), generator=g)
+    target(PackedBatch(ids, slots, (context,) * batch), cache, logits="none")
+    out = []
+    for n in widths:
+        times = []
+        for _ in range(reps):
+            new = torch.randint(100, 49000, (batch * n,), generator=g)
+            t0 = time.perf_counter()
+            target(PackedBatch(new, slots, (n,) * batch), cache)
+            times.append(time.perf_counter() - t0)
+            for s in slots:
+                cache.truncate(s, context)
+        out.append({"batch": batch, "tokens_per_request": n, "ms": 1e3 * statistics.median(times)})
+    for row in out:
+        row["ratio_to_decode"] = round(row["ms"] / out[0]["ms"], 3)
+        row["ms"] = round(row["ms"], 2)
+    return out
 
 
 def run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -110,6 +140,8 @@ def main() -> None:
     ap.add_argument("--drafter-layers", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=15, help="passes per verify-cost cell")
+    ap.add_argument("--note", default="", help="what else ran on the machine")
     ap.add_argument("--out", default="docs/results/bench_engine.json")
     args = ap.parse_args()
     if args.threads:
@@ -117,6 +149,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     target = TargetModel(SMOLLM2_135M).to(dtype).eval().requires_grad_(False)
+    target.fuse()  # the serving layout: fused and (bf16) packed projections
     dcfg = DrafterConfig.for_target(
         SMOLLM2_135M, num_layers=args.drafter_layers, mask_token_id=MASK_TOKEN_ID
     )
@@ -132,8 +165,10 @@ def main() -> None:
             ("ar", False),
             ("fixed", False),
             ("head", False),
+            ("cost", False),
             ("fixed", True),
             ("head", True),
+            ("cost", True),
         ]:
             cfg = EngineConfig(
                 policy=policy, max_batch_tokens=16 * max(c, 1), max_running_requests=c
@@ -166,6 +201,17 @@ def main() -> None:
                 f"ms  tau {r['accept_len']:.2f}  verify_len {r['verify_len']:.2f}",
                 flush=True,
             )
+    costs = [
+        row
+        for c in args.concurrency
+        for row in verify_cost(target, c, args.prompt_len, [1, 4, 8, 16], args.reps)
+    ]
+    for row in costs:
+        print(
+            f"verify cost C={row['batch']:<3} {row['tokens_per_request']:>2} tokens/request "
+            f"{row['ms']:7.1f} ms  x{row['ratio_to_decode']:.2f} of a decode step",
+            flush=True,
+        )
     out = {
         "benchmark": "bench/bench_engine.py",
         "target": "SmolLM2-135M shapes, random weights",
@@ -180,7 +226,9 @@ def main() -> None:
             "threads": torch.get_num_threads(),
         },
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "note": args.note,
         "rows": rows,
+        "verify_cost": costs,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -1,7 +1,7 @@
 """Per-domain acceptance length τ and speedup of a drafter, served through the engine.
 
 For each domain's eval prompts (chat template applied) this runs plain decoding (``ar``) and the
-drafter with the ``fixed`` policy (DFlash baseline, k̂ = k) — and optionally ``head`` — one
+drafter with the ``fixed`` policy (DFlash baseline, k̂ = k), ``head`` and ``cost`` — one
 request at a time (concurrency 1), greedy, in one process, and reports τ, verify length and
 tokens/s, with speedup = tokens/s ÷ ``ar`` tokens/s on the same prompts. Greedy outputs of every
 method are checked token-identical to ``ar`` (fp32) or counted as differing (bf16 can flip a
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--domains", nargs="+", default=["chat", "math", "code", "blend"])
     ap.add_argument("--prompts", type=int, default=16, help="eval prompts per domain")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--methods", nargs="+", default=["ar", "fixed", "head"])
+    ap.add_argument("--methods", nargs="+", default=["ar", "fixed", "head", "cost"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--out", required=True)

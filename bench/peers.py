@@ -4,7 +4,8 @@ Engines (each generating exactly --new-tokens greedy tokens per prompt after the
 prompt, EOS ignored, so every engine does the same work):
 
 - ``adaflash-ar``: our engine, plain decoding (bf16);
-- ``adaflash-head``: our engine with the default drafter and the length head (speculative);
+- ``adaflash-head`` / ``adaflash-cost``: our engine with a drafter (speculative), verify length
+  from the length head / from the online cost model (which may not draft at all);
 - ``hf``: Hugging Face transformers ``generate`` (bf16, left-padded batches);
 - ``llamacpp-bf16`` / ``llamacpp-q4_1``: llama.cpp through llama-cpp-python's low-level API, one
   ``llama_decode`` per step for the whole batch (sequence ids), greedy argmax on its logits.
@@ -180,6 +181,7 @@ def main() -> None:
     runners: dict[str, Run] = {"adaflash-ar": adaflash_runner(target, None, "ar")}
     if drafter is not None:
         runners["adaflash-head"] = adaflash_runner(target, drafter, "head")
+        runners["adaflash-cost"] = adaflash_runner(target, drafter, "cost")
     runners["hf"] = hf_runner(folder, tok.eos_token_ids[0])
     max_b = max(args.batches)
     if args.gguf_bf16:

@@ -429,7 +429,7 @@ class Engine:
                 self._install_drafter(cmd.drafter, cmd.version)
                 for r in self.running:  # context KV depends on drafter weights: rebuild lazily
                     r.draft_slot, r.ctx_version, r.ctx_len = -1, None, 0
-                    r.slot_seen, r.slot_ok = [], []  # and so does its acceptance profile
+                    r.slot_seen, r.slot_ok, r.probe_gap = [], [], 0  # and so does its profile
                 self._policy = make_policy(self.policy, self.block_size)
                 self.stats.swaps += 1
             elif isinstance(cmd, _SetPolicy):

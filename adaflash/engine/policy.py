@@ -15,8 +15,9 @@ cost and the target's cost per verified token fixed, adding the next slot of a r
 exactly when its survival Π a_j exceeds the current tokens-per-second times the time of one more
 verified token; so slots are added greedily by survival, and the step's rate is evaluated for
 every prefix. Who drafts is chosen the same way, comparing the best rate with each number of
-drafting requests against the plain step. Every ``probe_every`` steps a request that has not
-drafted for that long drafts anyway (its profile may be stale after a hot swap or a new domain).
+drafting requests against the plain step. A request that has not drafted for ``probe_every``
+rounds drafts anyway (its profile may be stale after a hot swap or on a new domain); a probe that
+finds nothing doubles that gap (up to 256 rounds), one that finds accepted drafts resets it.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class HeadPolicy(Policy):
 
 
 DECAY = 0.9  # per verified round: a request's profile follows its last ~10 rounds
+MAX_PROBE_GAP = 256  # rounds: a request whose probes keep failing is probed this rarely
 PRIOR_WEIGHT = 2.0  # rounds' worth of the engine-wide profile mixed into each request's
 
 
@@ -111,6 +113,9 @@ class CostPolicy(Policy):
         self.ok = [1.0] * (self.block_size - 1)
 
     def observe(self, r: Request, verify_len: int, accepted: int, block_size: int) -> None:
+        if id(r) in self.probing and verify_len > 1:  # a probe: back off while it finds nothing
+            gap = r.probe_gap or self.probe_every
+            r.probe_gap = self.probe_every if accepted else min(2 * gap, MAX_PROBE_GAP)
         super().observe(r, verify_len, accepted, block_size)
         if len(self.seen) != block_size - 1:
             self.seen, self.ok = [1.0] * (block_size - 1), [1.0] * (block_size - 1)
@@ -170,13 +175,17 @@ class CostPolicy(Policy):
             if rate > best_rate:
                 best_n, best_rate = n, rate
         chosen = order[:best_n]
-        self.probing = set()
-        if not chosen:  # probe: a request that has not drafted for a while drafts anyway
-            stale = [r for r in ready if r.rounds - r.last_drafted >= self.probe_every]
-            if stale:
-                probe = min(stale, key=lambda r: r.last_drafted)
-                chosen, self.probing = [probe], {id(probe)}
-        return chosen
+        # probes: requests that have not drafted for a while draft anyway — all of them when
+        # the drafter runs regardless (nearly free), else the stalest one
+        stale = [
+            r
+            for r in order[best_n:]
+            if r.rounds - r.last_drafted >= (r.probe_gap or self.probe_every)
+        ]
+        if not chosen:
+            stale = sorted(stale, key=lambda r: r.last_drafted)[:1]
+        self.probing = {id(r) for r in stale}
+        return chosen + stale
 
     def widths(
         self, spec: list[Request], a_hat: torch.Tensor | None, ctx: PolicyContext

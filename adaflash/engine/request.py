@@ -106,6 +106,7 @@ class Request:
     slot_seen: list[float] = field(default_factory=list)  # decayed: slot i verified …
     slot_ok: list[float] = field(default_factory=list)  # … and accepted (its profile)
     last_drafted: int = 0  # ``rounds`` when it last had drafts verified
+    probe_gap: int = 0  # rounds between probes of the cost policy (0: its default)
     draft_ms: float = 0.0  # time of the drafter passes it was in (shared with its batch)
     verify_ms: float = 0.0  # time of the target passes that verified it
     drafter_version: str = ""
