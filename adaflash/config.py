@@ -386,7 +386,7 @@ class DistillConfig:
     batch_size: int = 1
     accumulate: int = 2  # effective batch 2 (paper)
     grad_clip: float = 1.0
-    bf16_autocast: bool = False  # on CPU only where it is faster
+    bf16_autocast: bool = False  # bf16 matmuls, fp32 weights (on a CPU: where it is faster)
     max_steps: int = -1
     max_minutes: float | None = None
     seed: int = 0

@@ -59,16 +59,19 @@ def block_states(
     drafter: DFlashDrafter, target: TargetModel, seq: CachedSequence, anchors: torch.Tensor
 ) -> torch.Tensor:
     """Drafter final states for every anchor's block → (Nb, k, H). Gradient flows into the
-    drafter; the target's embedding stays frozen."""
+    drafter; the target's embedding stays frozen. The cached sequence lives on the CPU; what
+    the drafter needs moves to its device."""
     k, s = drafter.cfg.block_size, seq.tokens.numel()
+    dev = drafter.fc.weight.device
     nb = anchors.numel()
     block_ids = torch.full((nb, k), drafter.cfg.mask_token_id)
     block_ids[:, 0] = seq.tokens[anchors]
-    positions = (anchors[:, None] + torch.arange(k)).reshape(1, nb * k)  # (1, Nb·k)
+    positions = (anchors[:, None] + torch.arange(k)).reshape(1, nb * k).to(dev)  # (1, Nb·k)
     with torch.no_grad():
-        block = target.embed_tokens(block_ids.reshape(1, nb * k)).to(drafter.dtype)  # (1, Nb·k, H)
-    ctx = drafter.context_kv(seq.features, torch.arange(s))  # per layer (kv, S, d)
-    mask = block_attention_mask(anchors, k, s)
+        emb = target.embed_tokens(block_ids.reshape(1, nb * k).to(target.device))
+        block = emb.to(dev, drafter.dtype)  # (1, Nb·k, H)
+    ctx = drafter.context_kv(seq.features.to(dev), torch.arange(s, device=dev))  # (kv, S, d)/layer
+    mask = block_attention_mask(anchors.to(dev), k, s)
     states = drafter(block, positions, [ctx], [mask])  # (1, Nb·k, H)
     return states.view(nb, k, -1)
 
@@ -125,15 +128,17 @@ def distill_sequence(
     vocabulary (``draft_vocab.lookup_table``; None without one)."""
     k = drafter.cfg.block_size
     states = block_states(drafter, target, seq, anchors)  # (Nb, k, H)
+    dev = states.device
     rows, recorded, valid = slot_targets(seq, anchors, k)  # (Nb, k−1) each
+    recorded, valid = recorded.to(dev), valid.to(dev)
     flat = states[:, 1:].reshape(-1, states.shape[-1])  # (Nb·(k−1), H)
-    q = drafter.draft_logits(flat, target.lm_head.weight)  # (Nb·(k−1), V_d)
-    teacher = seq.teacher(rows.flatten(), lookup)
+    q = drafter.draft_logits(flat, target.lm_head.weight.to(dev))  # (Nb·(k−1), V_d)
+    teacher = seq.teacher(rows.flatten(), lookup).to(dev)
     per_row = (
         opd_loss_topk(q, teacher, alpha, delta) if loss == "opd" else osd_loss_topk(q, teacher)
     )
-    taught = valid & train_slots(k, supervised_slots)[None, :]
-    weights = slot_weights(k, decay=slot_decay)
+    taught = valid & train_slots(k, supervised_slots).to(dev)[None, :]
+    weights = slot_weights(k, dev, decay=slot_decay)
     draft_loss = weighted_slot_mean(per_row.view(rows.shape), taught, k, weights)
     drafts = drafter.to_target_ids(q.detach().argmax(-1)).view(rows.shape)
     accepted = accepted_drafts(drafts, recorded, valid)
@@ -162,8 +167,8 @@ def replay(
         states = block_states(drafter, target, seq, anchors)
         _, recorded, valid = slot_targets(seq, anchors, k)
         flat = states[:, 1:].reshape(-1, states.shape[-1]).contiguous()
-        best = drafter.draft_logits(flat, target.lm_head.weight).argmax(-1)
-        drafts = drafter.to_target_ids(best).view(recorded.shape)
+        best = drafter.draft_logits(flat, target.lm_head.weight.to(states.device)).argmax(-1)
+        drafts = drafter.to_target_ids(best).view(recorded.shape).cpu()
         accepted = accepted_drafts(drafts, recorded, valid)
         for acc, n_valid in zip(accepted.tolist(), valid.sum(1).tolist(), strict=True):
             counters.add_round(verify_len=n_valid + 1, accepted=acc, drafted=k - 1)

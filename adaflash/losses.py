@@ -72,6 +72,9 @@ class TopKTeacher:
         out[rows[inside], self.index[inside]] = self.logp.float()[inside]
         return out
 
+    def to(self, device: torch.device) -> TopKTeacher:
+        return TopKTeacher(self.index.to(device), self.logp.to(device), self.tail_logp.to(device))
+
     @property
     def top1(self) -> torch.Tensor:
         """(N,) draft index of the teacher's argmax (−1 outside the draft vocabulary); the top-K

@@ -126,10 +126,11 @@ def teach(
                     t.domain,
                     torch.tensor(seq),
                     len(t.prompt_ids),
-                    res.features[start : start + len(seq)].clone(),  # leaves inference mode
-                    ids[r0 : r0 + r].clone(),
-                    logp[r0 : r0 + r].clone(),
-                    tail[r0 : r0 + r].clone(),
+                    # on the CPU and out of inference mode, whatever device the target is on
+                    res.features[start : start + len(seq)].cpu().clone(),
+                    ids[r0 : r0 + r].cpu().clone(),
+                    logp[r0 : r0 + r].cpu().clone(),
+                    tail[r0 : r0 + r].cpu().clone(),
                     target.cfg.vocab_size,
                 )
             )

@@ -80,7 +80,8 @@ class DrafterDistillation(L.LightningModule):
             anchors = sample_anchors(
                 seq.prompt_len, seq.tokens.numel(), self.cfg.anchors_per_seq, self.generator
             )
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16_autocast):
+            device = self.drafter.fc.weight.device.type
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=self.cfg.bf16_autocast):
                 outs.append(
                     distill_sequence(
                         self.drafter,

@@ -1,0 +1,194 @@
+"""Train the default drafter on a CUDA machine in about ten minutes, end to end.
+
+1. on-policy data: the target answers the shipped chat and code training prompts (greedy,
+   Hugging Face ``generate`` in large left-padded batches on the GPU) for ``--gen-minutes``;
+2. the teacher once per trajectory (``adaflash.teacher_cache.teach``: features + top-K);
+3. distillation with Lightning on the GPU (bf16 autocast) for ``--train-minutes``, from scratch
+   or continuing ``--init``;
+4. the drafter folder (DFlash format + draft vocabulary + model card) in ``--out``, with the
+   simulated τ on held-out eval-prompt trajectories in its ``training.json``.
+
+    python scripts/gpu_recipe.py --out /tmp/drafter          # CUDA host, ~10 minutes
+    python scripts/gpu_recipe.py --out /tmp/d --device cpu --prompts 4 --max-new-tokens 8 \
+        --gen-minutes 0.2 --train-minutes 0.2 --target tests-folder   # the CPU smoke test
+
+Without CUDA it runs on the CPU (slowly: that is what the tests do at a tiny scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from adaflash.cli import encode_prompt
+from adaflash.config import DistillConfig
+from adaflash.distill import replay
+from adaflash.models.draft_vocab import build_draft_vocab, count_tokens, coverage
+from adaflash.models.drafter import load_drafter
+from adaflash.models.target import load_target
+from adaflash.pull import resolve_target
+from adaflash.teacher_cache import teach
+from adaflash.tokenizer import Tokenizer
+from adaflash.workloads import Trajectory, load_prompts
+from lightning_modules.train import fit, new_drafter, save_run
+
+
+def generate(
+    folder: Path,
+    prompts: list[tuple[str, str, list[int]]],
+    device: str,
+    batch: int,
+    max_new: int,
+    minutes: float,
+    pad_id: int,
+    eos: set[int],
+) -> list[Trajectory]:
+    """Greedy answers with transformers on ``device``, until the prompts or the time run out."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    out: list[Trajectory] = []
+    deadline = time.time() + 60 * minutes
+    for i in range(0, len(prompts), batch):
+        if time.time() > deadline:
+            break
+        group = prompts[i : i + batch]
+        width = max(len(p) for _, _, p in group)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for _, _, p in group], device=device)
+        mask = (
+            torch.arange(width, device=device)[None, :]
+            >= width - torch.tensor([len(p) for _, _, p in group], device=device)[:, None]
+        ).long()
+        with torch.inference_mode():
+            gen = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+        for (pid, domain, p), row in zip(group, gen[:, width:].tolist(), strict=True):
+            resp = []
+            for t in row:
+                resp.append(t)
+                if t in eos:
+                    break
+            out.append(Trajectory(pid, domain, p, resp, "", "stop"))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", required=True, help="drafter folder to write")
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--init", default=None, help="continue this drafter folder")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per domain (default all)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--gen-batch", type=int, default=128)
+    ap.add_argument("--gen-minutes", type=float, default=3.0)
+    ap.add_argument("--train-minutes", type=float, default=6.0)
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--draft-vocab", type=int, default=16384)
+    ap.add_argument("--anchors", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's")
+    args = ap.parse_args()
+    t0 = time.time()
+    torch.manual_seed(args.seed)
+    folder = resolve_target(args.target)
+    tok = Tokenizer.from_folder(folder)
+    eos = set(tok.eos_token_ids)
+    rows = [
+        (p.id, p.domain, encode_prompt(tok, p.prompt, True))
+        for d in ("chat", "code")
+        for p in load_prompts(d, "train", args.prompts)
+    ]
+    rows.sort(key=lambda r: len(r[2]))  # similar lengths batch with little padding
+    evals = [
+        (p.id, p.domain, encode_prompt(tok, p.prompt, True))
+        for d in ("chat", "code")
+        for p in load_prompts(d, "eval", 8 if args.prompts is None else 2)
+    ]
+    pad = tok.eos_token_ids[0]
+    train = generate(
+        folder, rows, args.device, args.gen_batch, args.max_new_tokens, args.gen_minutes, pad, eos
+    )
+    held = generate(folder, evals, args.device, args.gen_batch, args.max_new_tokens, 60.0, pad, eos)
+    t_gen = time.time() - t0
+    print(f"[recipe] {len(train)} trajectories in {t_gen:.0f} s", flush=True)
+
+    target = load_target(folder, "bfloat16" if args.device == "cuda" else "float32", args.device)
+    if args.init:
+        drafter = load_drafter(args.init, "float32")
+    else:
+        drafter = new_drafter(
+            target,
+            mask_token_id=args.mask_token_id
+            if args.mask_token_id is not None
+            else tok.mask_token_id(target.cfg.vocab_size),
+            num_layers=args.layers,
+            block_size=args.block_size,
+            seed=args.seed,
+        )
+    counts = count_tokens((t.response_ids for t in train), target.cfg.vocab_size)
+    vocab = build_draft_vocab(
+        counts,
+        min(args.draft_vocab, target.cfg.vocab_size),
+        tuple(e for e in eos if e < target.cfg.vocab_size),
+    )
+    drafter.set_draft_vocab(
+        vocab,
+        {"built_from": "recipe trajectories", "train_coverage": round(coverage(vocab, counts), 5)},
+    )
+    drafter.to(args.device)
+    seqs = teach(target, train, drafter.cfg.target_layer_ids)
+    held_seqs = teach(target, held, drafter.cfg.target_layer_ids)
+    cfg = DistillConfig(
+        epochs=1000,
+        max_minutes=args.train_minutes,
+        anchors_per_seq=args.anchors,
+        batch_size=args.batch_size,
+        accumulate=1,
+        drafter_lr=args.lr,
+        bf16_autocast=args.device == "cuda",
+        seed=args.seed,
+    )
+    result = fit(drafter, target, seqs, None, cfg, progress=False)
+    tau = {
+        d: round(
+            replay(result.drafter, target, [s for s in held_seqs if s.domain == d]).accept_len, 4
+        )
+        for d in ("chat", "code")
+    }
+    save_run(
+        result,
+        Path(args.out),
+        title="SmolLM2-135M-Instruct DFlash drafter (GPU recipe)",
+        data={
+            "trajectories": len(train),
+            "domains": ["chat", "code"],
+            "target": folder.name,
+            "init": args.init or "target layers",
+            "device": args.device,
+        },
+        cfg=cfg,
+        extra={
+            "simulated_tau_held_out": tau,
+            "generate_s": round(t_gen, 1),
+            "total_s": round(time.time() - t0, 1),
+        },
+    )
+    print(json.dumps({"out": args.out, "tau": tau, "seconds": round(time.time() - t0, 1)}))
+
+
+if __name__ == "__main__":
+    main()
