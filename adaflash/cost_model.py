@@ -1,7 +1,8 @@
 """What a step costs on this machine, now: online estimates the cost-aware policy plans with.
 
     target pass   t ≈ a + b·tokens + c·requests    (verified + prefilled tokens; sequences in it)
-    drafter pass  t ≈ d + e·requests
+    drafter pass  t ≈ d + e·requests + f·context   (context: target positions committed since a
+                                                    request last drafted, projected in this pass)
 
 Each is a linear model fitted by recursive least squares with exponential forgetting (λ), fed by
 every real step, so it follows the machine as it is: another process sharing the cores, a
@@ -46,32 +47,37 @@ class CostModel:
         default_factory=lambda: RecursiveLeastSquares([0.05, 0.002, 0.002])
     )
     drafter: RecursiveLeastSquares = field(
-        default_factory=lambda: RecursiveLeastSquares([0.01, 0.002])
+        default_factory=lambda: RecursiveLeastSquares([0.01, 0.002, 0.0001])
     )
 
     def observe_target(self, tokens: int, requests: int, seconds: float) -> None:
         self.target.update([1.0, float(tokens), float(requests)], seconds)
 
-    def observe_drafter(self, requests: int, seconds: float) -> None:
-        self.drafter.update([1.0, float(requests)], seconds)
+    def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
+        self.drafter.update([1.0, float(requests), float(context)], seconds)
 
     def target_s(self, tokens: int, requests: int) -> float:
         """Predicted seconds of a target pass (never below a microsecond)."""
         return max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
 
-    def drafter_s(self, requests: int) -> float:
-        return 0.0 if requests == 0 else max(self.drafter.predict([1.0, float(requests)]), 1e-6)
+    def drafter_s(self, requests: int, context: int = 0) -> float:
+        """Predicted seconds of a drafter pass for ``requests`` that bring ``context`` new
+        context positions to project (0 requests: no pass, no cost)."""
+        if requests == 0:
+            return 0.0
+        return max(self.drafter.predict([1.0, float(requests), float(context)]), 1e-6)
 
     def snapshot(self) -> dict[str, float]:
         """The current estimates, for /metrics and the dashboard."""
         a, b, c = self.target.theta.tolist()
-        d, e = self.drafter.theta.tolist()
+        d, e, f = self.drafter.theta.tolist()
         return {
             "target_base_ms": 1e3 * a,
             "target_per_token_ms": 1e3 * b,
             "target_per_request_ms": 1e3 * c,
             "drafter_base_ms": 1e3 * d,
             "drafter_per_request_ms": 1e3 * e,
+            "drafter_per_context_token_ms": 1e3 * f,
             "target_steps_seen": float(self.target.seen),
             "drafter_steps_seen": float(self.drafter.seen),
         }

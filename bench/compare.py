@@ -1,6 +1,7 @@
-"""The paper's Table 1 on this machine: speedup and τ per method, domain and concurrency.
+"""The paper's Table 1 on this machine, and a study of verify-width policies.
 
-Methods, measured on the same held-out prompts in one run (greedy, bf16, SmolLM2-135M target):
+``--study paper`` (the default): speedup and τ per method, domain and concurrency. Methods,
+measured on the same held-out prompts in one run (greedy, bf16, SmolLM2-135M target):
 
 - ``ar``        plain autoregressive decoding through our runtime — the 1.0× reference
 - ``hf``        Hugging Face ``generate`` on the same target (what a CPU user would otherwise run)
@@ -17,8 +18,27 @@ with plain decoding and fed to both online methods in the same chunks; the adapt
 (simulated τ on the eval trajectories after each round) is kept. Speed is a ratio to ``ar`` at
 the same concurrency, measured in the same run. Results: JSON, a Markdown table and PNG charts.
 
+``--study policies`` ("Speculation that never loses: cost-aware verification width"): no online
+adaptation; the engine's verify-width policies, each with three drafters.
+
+- methods: ``ar`` (1.0×), ``hf``, ``head`` (length head), ``cost`` (cost-aware: a request may
+  not draft at all), ``oracle-len`` (k̂ = accepted + 1, needs the answer key)
+- drafters: ``shipped`` (``--drafter``), ``weak`` (the shipped config and draft vocabulary with
+  random weights, ``--seed``: almost never right) and ``oracle`` (drafts are the target's own
+  greedy continuation, at the shipped drafter's cost; its ``oracle-len`` row would repeat
+  ``head``/``cost`` at full acceptance and is skipped)
+
+Every run is a fresh engine (cold cost model and acceptance profiles). Each (domain, C) cell runs
+its methods ``--repeats`` times, interleaved (rep 1: ar, hf, head, cost, …; rep 2: …), so slow
+phases of a shared machine hit every method alike. A row keeps the median, min and max tokens/s;
+``speedup`` = median ÷ median ``ar`` of the cell, and ``speedup_min``/``speedup_max`` are the
+worst and best pairings (min ÷ max ``ar``, max ÷ min ``ar``). ``table.md`` ends with pass/fail
+criteria computed from the rows (``criteria``). ``--study both`` runs both studies.
+
     python bench/compare.py --quick                    # smoke check, < 10 min
     python bench/compare.py --out docs/results/compare # the full run (hours on 2 CPU cores)
+    python bench/compare.py --study policies --quick   # policy-study smoke check, < 10 min
+    python bench/compare.py --study policies           # → docs/results/compare-policies
 """
 
 from __future__ import annotations
@@ -28,16 +48,21 @@ import copy
 import json
 import os
 import platform
+import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from adaflash.cli import DEFAULT_DRAFTER, encode_prompt
-from adaflash.config import DistillConfig, EngineConfig, SamplingParams
+from adaflash.config import DistillConfig, EngineConfig, Policy, SamplingParams
 from adaflash.distill import simulate_acceptance
+from adaflash.engine import policy as policies
 from adaflash.engine.engine import Engine
-from adaflash.engine.round import draft_tokens
+from adaflash.engine.request import Request
+from adaflash.engine.round import Propose, draft_tokens
 from adaflash.metrics import speedup
 from adaflash.models.drafter import DFlashDrafter, load_drafter
 from adaflash.models.target import TargetModel, load_target
@@ -48,6 +73,20 @@ from lightning_modules.train import fit
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_METHODS = ("dflash", "osd", "adaflash", "oracle")
+STUDIES = ("paper", "policies", "both")
+POLICY_DRAFTERS = ("shipped", "weak", "oracle")
+POLICY_METHODS = ("head", "cost", "oracle-len")  # each with every drafter (+ ar, hf once)
+ENGINE_POLICY: dict[str, Policy] = {
+    "ar": "ar",
+    "head": "head",
+    "cost": "cost",
+    "oracle-len": "fixed",
+}
+WEAK_FLOOR = 0.97  # criterion (a): cost with the weak drafter keeps this share of ar
+ORACLE_SHARE = 0.90  # criterion (c): cost with the shipped drafter reaches this share of oracle-len
+
+Refs = dict[tuple[int, ...], list[int]]  # prompt → the target's greedy continuation
+Key = tuple[str | None, str]  # (drafter, method) of the policy study; ar/hf have no drafter
 
 
 class OracleLengthEngine(Engine):
@@ -71,6 +110,47 @@ class OracleLengthEngine(Engine):
             return drafts, k_hat
 
         return propose
+
+
+class OracleDrafterEngine(Engine):
+    """Drafts are the target's greedy continuation (``references``), widths the policy's k̂.
+
+    The real drafter still runs and scores its draft vocabulary (its output is discarded), so a
+    step costs what it would with a drafter that is always right. A request whose output left
+    the reference (a bf16 near-tie) drafts from the misaligned reference and is mostly rejected.
+    """
+
+    def __init__(self, *args: Any, references: Refs, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.references = references
+
+    def _propose(self) -> Propose:
+        def propose(
+            reqs: list[Request], states: torch.Tensor, k_hat: torch.Tensor
+        ) -> tuple[list[list[int]], torch.Tensor]:
+            assert self.drafter is not None
+            width = int(k_hat.max()) - 1
+            draft_tokens(self.target, self.drafter, states, width)  # the drafter's cost
+            drafts = []
+            for r in reqs:
+                ref = self.references.get(tuple(r.prompt_ids), [])
+                row = ref[len(r.output_ids) : len(r.output_ids) + width]
+                drafts.append(row + [0] * (width - len(row)))  # past its end: rejected
+            return drafts, k_hat
+
+        return propose
+
+
+@dataclass
+class Setup:
+    """What every measurement of a run shares."""
+
+    target: TargetModel
+    tok: Tokenizer
+    hf: Any  # the HF model of the same target
+    eos: list[int]
+    params: SamplingParams
+    args: argparse.Namespace
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -120,6 +200,24 @@ def run_hf(
     return {"tokens_per_s": tokens / (time.perf_counter() - t0), "output_tokens": tokens}
 
 
+def cell_config(policy: Policy, concurrency: int) -> EngineConfig:
+    """The engine settings of one concurrency (both studies)."""
+    return EngineConfig(
+        policy=policy, max_running_requests=concurrency, max_batch_tokens=16 * concurrency
+    )
+
+
+def greedy_references(s: Setup, prompts: list[list[int]]) -> Refs:
+    """The target's greedy continuation of each prompt (plain decoding, batch 16)."""
+    engine = Engine(
+        s.target,
+        None,
+        EngineConfig(policy="ar", max_running_requests=16),
+        eos_token_ids=tuple(s.eos),
+    )
+    return run_engine(engine, prompts, s.params)["_outputs"]
+
+
 def adapt(
     base: DFlashDrafter,
     target: TargetModel,
@@ -143,166 +241,378 @@ def adapt(
     return drafter, curve
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small smoke run (< 10 min)")
-    ap.add_argument("--drafter", default=str(REPO / "assets" / "drafters" / DEFAULT_DRAFTER))
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--domains", nargs="+", default=["math", "code", "chat", "blend"])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument(
-        "--prompts",
-        type=int,
-        default=16,
-        help="eval prompts per domain (at concurrency C > this, the first C prompts)",
+# -- the paper's Table 1 ------------------------------------------------------------------------
+
+
+def paper_domain(
+    s: Setup,
+    domain: str,
+    all_prompts: list[list[int]],
+    ar_ref: Refs,
+    shipped: DFlashDrafter,
+    curves: dict[str, list[float]],
+) -> list[dict]:
+    """One domain of Table 1: online adaptation, then every method at every concurrency."""
+    args, target, eos = s.args, s.target, s.eos
+    prompts = all_prompts[: args.prompts]
+    # the domain's on-policy data: greedy trajectories of its train prompts
+    train_prompts = [
+        encode_prompt(s.tok, p.prompt, chat=True)
+        for p in load_prompts(domain, "train", args.rounds * args.chunk)
+    ]
+    gen = Engine(
+        target, None, EngineConfig(policy="ar", max_running_requests=16), eos_token_ids=tuple(eos)
     )
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3, help="online adaptation rounds")
-    ap.add_argument("--chunk", type=int, default=64, help="train trajectories per round")
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--anchors", type=int, default=16)
-    ap.add_argument("--sim-anchors", type=int, default=16)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    ap.add_argument("--note", default="", help="free text stored with the results")
-    ap.add_argument("--out", default="docs/results/compare")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.quick:
-        args.domains, args.concurrency = ["chat", "math"], [1, 4]
-        args.prompts, args.max_new_tokens, args.rounds, args.chunk = 4, 48, 1, 8
-        args.epochs, args.out = 1, args.out + "-quick"
-
-    t_start = time.time()
-    target_dir = resolve_target(args.target)
-    target = load_target(target_dir, args.dtype)
-    tok = Tokenizer.from_folder(target_dir)
-    eos = sorted(set(target.cfg.eos_token_ids) | set(tok.eos_token_ids))
-    shipped = load_drafter(args.drafter, "float32")
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, args.dtype))
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    rows, curves = [], {}
-    for domain in args.domains:
-        all_prompts = [
-            encode_prompt(tok, p.prompt, chat=True)
-            for p in load_prompts(domain, "eval", max([args.prompts, *args.concurrency]))
-        ]
-        prompts = all_prompts[: args.prompts]
-        # the domain's on-policy data: greedy trajectories of its train prompts
-        train_prompts = [
-            encode_prompt(tok, p.prompt, chat=True)
-            for p in load_prompts(domain, "train", args.rounds * args.chunk)
-        ]
-        gen = Engine(
-            target,
-            None,
-            EngineConfig(policy="ar", max_running_requests=16),
-            eos_token_ids=tuple(eos),
+    train = [
+        Trajectory(f"{domain}-{i}", domain, p, list(r.output_ids), "", r.finish_reason)
+        for i, (p, r) in enumerate(
+            zip(train_prompts, gen.generate(train_prompts, s.params), strict=True)
         )
-        train = [
-            Trajectory(f"{domain}-{i}", domain, p, list(r.output_ids), "", r.finish_reason)
-            for i, (p, r) in enumerate(
-                zip(train_prompts, gen.generate(train_prompts, params), strict=True)
+    ]
+    evals = [(p + ar_ref[tuple(p)], len(p)) for p in prompts]
+    drafters = {"dflash": shipped}
+    for name, loss in (("osd", "osd"), ("adaflash", "opd")):
+        drafters[name], curves[f"{domain}/{name}"] = adapt(
+            shipped, target, train, evals, loss, args.rounds, args.chunk, args
+        )
+        print(
+            f"[{domain}] {name} adaptation curve (simulated τ): "
+            f"{[round(x, 3) for x in curves[f'{domain}/{name}']]}",
+            flush=True,
+        )
+    rows = []
+    for c in args.concurrency:
+        prompts = all_prompts[: max(args.prompts, c)]
+        base = run_engine(
+            Engine(target, None, cell_config("ar", c), eos_token_ids=tuple(eos)),
+            prompts,
+            s.params,
+        )
+        results = {"ar": base}
+        results["hf"] = run_hf(s.hf, prompts, c, args.max_new_tokens, eos[0], eos, False)
+        if c == 1:
+            results["hf-pld"] = run_hf(s.hf, prompts, 1, args.max_new_tokens, eos[0], eos, True)
+        for m in SPEC_METHODS:
+            d = drafters["adaflash" if m == "oracle" else m]
+            policy: Policy = "head" if m == "adaflash" else "fixed"
+            kw = {"references": ar_ref} if m == "oracle" else {}
+            cls = OracleLengthEngine if m == "oracle" else Engine
+            results[m] = run_engine(
+                cls(
+                    target,
+                    copy.deepcopy(d),
+                    cell_config(policy, c),
+                    eos_token_ids=tuple(eos),
+                    **kw,
+                ),
+                prompts,
+                s.params,
             )
-        ]
-        ar_ref = run_engine(
-            Engine(
-                target,
-                None,
-                EngineConfig(policy="ar", max_running_requests=16),
-                eos_token_ids=tuple(eos),
-            ),
-            all_prompts,
-            params,
-        )["_outputs"]
-        evals = [(p + ar_ref[tuple(p)], len(p)) for p in prompts]
-        drafters = {"dflash": shipped}
-        for name, loss in (("osd", "osd"), ("adaflash", "opd")):
-            drafters[name], curves[f"{domain}/{name}"] = adapt(
-                shipped, target, train, evals, loss, args.rounds, args.chunk, args
-            )
+        ar_outs = base["_outputs"]
+        for m, r in results.items():
+            outs = r.pop("_outputs", None)
+            row = {
+                "domain": domain,
+                "concurrency": c,
+                "method": m,
+                **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()},
+                "speedup": round(speedup(r["tokens_per_s"], base["tokens_per_s"]), 3),
+            }
+            if outs is not None:  # lossless check (bf16 may flip a near-tie now and then)
+                row["identical_to_ar"] = sum(outs[k] == ar_outs[k] for k in ar_outs)
+            rows.append(row)
             print(
-                f"[{domain}] {name} adaptation curve (simulated τ): "
-                f"{[round(x, 3) for x in curves[f'{domain}/{name}']]}",
+                f"{domain:<6} C={c:<3} {m:<9} {row['tokens_per_s']:7.1f} tok/s "
+                f"x{row['speedup']:.2f}  τ {row.get('accept_len', float('nan')):.2f}  "
+                f"verify_len {row.get('verify_len', float('nan')):.2f}",
                 flush=True,
             )
-        for c in args.concurrency:
-            prompts = all_prompts[: max(args.prompts, c)]
-            cfg = {"max_running_requests": c, "max_batch_tokens": 16 * c}
-            base = run_engine(
-                Engine(target, None, EngineConfig(policy="ar", **cfg), eos_token_ids=tuple(eos)),
-                prompts,
-                params,
-            )
-            results = {"ar": base}
-            results["hf"] = run_hf(hf, prompts, c, args.max_new_tokens, eos[0], eos, False)
-            if c == 1:
-                results["hf-pld"] = run_hf(hf, prompts, 1, args.max_new_tokens, eos[0], eos, True)
-            for m in SPEC_METHODS:
-                d = drafters["adaflash" if m == "oracle" else m]
-                policy = "head" if m == "adaflash" else "fixed"
-                kw = {"references": ar_ref} if m == "oracle" else {}
-                cls = OracleLengthEngine if m == "oracle" else Engine
-                results[m] = run_engine(
-                    cls(
-                        target,
-                        copy.deepcopy(d),
-                        EngineConfig(policy=policy, **cfg),
-                        eos_token_ids=tuple(eos),
-                        **kw,
-                    ),
-                    prompts,
-                    params,
-                )
-            ar_outs = base["_outputs"]
-            for m, r in results.items():
-                outs = r.pop("_outputs", None)
-                row = {
-                    "domain": domain,
-                    "concurrency": c,
-                    "method": m,
-                    **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()},
-                    "speedup": round(speedup(r["tokens_per_s"], base["tokens_per_s"]), 3),
-                }
-                if outs is not None:  # lossless check (bf16 may flip a near-tie now and then)
-                    row["identical_to_ar"] = sum(outs[k] == ar_outs[k] for k in ar_outs)
-                rows.append(row)
-                print(
-                    f"{domain:<6} C={c:<3} {m:<9} {row['tokens_per_s']:7.1f} tok/s "
-                    f"x{row['speedup']:.2f}  τ {row.get('accept_len', float('nan')):.2f}  "
-                    f"verify_len {row.get('verify_len', float('nan')):.2f}",
-                    flush=True,
-                )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "benchmark": "bench/compare.py",
-        "args": vars(args),
-        "rows": rows,
-        "adaptation_curves": curves,
-        "minutes": round((time.time() - t_start) / 60, 1),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-        },
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "table.md").write_text(markdown(result))
-    charts(result, out)
+    return rows
+
+
+# -- the policy study ---------------------------------------------------------------------------
+
+
+def weak_drafter(shipped: DFlashDrafter, seed: int) -> DFlashDrafter:
+    """The shipped drafter's config and draft vocabulary with freshly initialised weights (length
+    head included), from a fixed seed: a drafter that is almost never right."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        weak = DFlashDrafter(shipped.cfg).float()
+    if shipped.draft_vocab is not None:
+        weak.set_draft_vocab(shipped.draft_vocab, shipped.draft_vocab_info)
+    weak.head_trained = False
+    return weak.eval()
+
+
+def policy_plan(drafters: list[str]) -> list[Key]:
+    """The methods of one cell in the order each repeat runs them."""
+    plan: list[Key] = [(None, "ar"), (None, "hf")]
+    for d in drafters:
+        plan += [(d, m) for m in POLICY_METHODS if not (d == "oracle" and m == "oracle-len")]
+    return plan
+
+
+def run_method(
+    s: Setup,
+    key: Key,
+    prompts: list[list[int]],
+    c: int,
+    ar_ref: Refs,
+    drafters: dict[str, DFlashDrafter],
+) -> dict:
+    """One run of one method of the policy study (a fresh engine)."""
+    name, method = key
+    if method == "hf":
+        return run_hf(s.hf, prompts, c, s.args.max_new_tokens, s.eos[0], s.eos, False)
+    cfg = cell_config(ENGINE_POLICY[method], c)
+    eos = tuple(s.eos)
+    if name is None:
+        return run_engine(Engine(s.target, None, cfg, eos_token_ids=eos), prompts, s.params)
+    d = drafters[name]
+    if name == "oracle":
+        engine: Engine = OracleDrafterEngine(s.target, d, cfg, eos_token_ids=eos, references=ar_ref)
+    elif method == "oracle-len":
+        engine = OracleLengthEngine(s.target, d, cfg, eos_token_ids=eos, references=ar_ref)
+    else:
+        engine = Engine(s.target, d, cfg, eos_token_ids=eos)
+    return run_engine(engine, prompts, s.params)
+
+
+def policy_cell(
+    s: Setup,
+    prompts: list[list[int]],
+    c: int,
+    ar_ref: Refs,
+    drafters: dict[str, DFlashDrafter],
+) -> dict[Key, list[dict]]:
+    """Every method of one (domain, C) cell, ``--repeats`` times, interleaved."""
+    plan = policy_plan(list(drafters))
+    runs: dict[Key, list[dict]] = {key: [] for key in plan}
+    for _ in range(s.args.repeats):
+        for key in plan:
+            runs[key].append(run_method(s, key, prompts, c, ar_ref, drafters))
+    return runs
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+def policy_rows(domain: str, c: int, runs: dict[Key, list[dict]]) -> list[dict]:
+    """One row per (drafter, method) of a cell: median/min/max over the repeats.
+
+    ``speedup`` = median ÷ median ``ar``; ``speedup_min`` = min ÷ max ``ar`` (worst pairing);
+    ``speedup_max`` = max ÷ min ``ar`` (best pairing). τ and verify length: medians."""
+    ar_reps = runs[(None, "ar")]
+    ar_med, ar_min, ar_max = spread([r["tokens_per_s"] for r in ar_reps])
+    ar_outs = ar_reps[0].get("_outputs")
+    rows = []
+    for (drafter, method), reps in runs.items():
+        med, lo, hi = spread([r["tokens_per_s"] for r in reps])
+        row: dict[str, Any] = {
+            "study": "policies",
+            "domain": domain,
+            "concurrency": c,
+            "drafter": drafter,
+            "method": method,
+            "repeats": len(reps),
+            "tokens_per_s": round(med, 4),
+            "tokens_per_s_min": round(lo, 4),
+            "tokens_per_s_max": round(hi, 4),
+            "speedup": round(speedup(med, ar_med), 3),
+            "speedup_min": round(speedup(lo, ar_max), 3),
+            "speedup_max": round(speedup(hi, ar_min), 3),
+            "output_tokens": reps[0]["output_tokens"],
+        }
+        if drafter is not None:
+            row["accept_len"] = round(statistics.median(r["accept_len"] for r in reps), 4)
+            row["verify_len"] = round(statistics.median(r["verify_len"] for r in reps), 4)
+        outs = reps[0].get("_outputs")
+        if outs is not None and ar_outs is not None:  # lossless check (bf16 near-ties aside)
+            row["identical_to_ar"] = sum(outs[k] == ar_outs[k] for k in ar_outs)
+        rows.append(row)
+    return rows
+
+
+def print_policy_row(row: dict) -> None:
     print(
-        f"wrote {out}/results.json, table.md, speedup.png, adaptation.png ({result['minutes']} min)"
+        f"{row['domain']:<6} C={row['concurrency']:<3} {row['drafter'] or '-':<8} "
+        f"{row['method']:<10} {row['tokens_per_s']:7.1f} tok/s "
+        f"[{row['tokens_per_s_min']:.1f}–{row['tokens_per_s_max']:.1f}] x{row['speedup']:.2f} "
+        f"[{row['speedup_min']:.2f}–{row['speedup_max']:.2f}]  "
+        f"τ {row.get('accept_len', float('nan')):.2f}  "
+        f"verify_len {row.get('verify_len', float('nan')):.2f}",
+        flush=True,
     )
+
+
+def policy_domain(
+    s: Setup, domain: str, all_prompts: list[list[int]], ar_ref: Refs, drafters: dict
+) -> list[dict]:
+    rows = []
+    for c in s.args.concurrency:
+        prompts = all_prompts[: max(s.args.prompts, c)]
+        for row in policy_rows(domain, c, policy_cell(s, prompts, c, ar_ref, drafters)):
+            print_policy_row(row)
+            rows.append(row)
+    return rows
+
+
+def warm_up(s: Setup, prompts: list[list[int]], drafters: dict[str, DFlashDrafter]) -> None:
+    """One short untimed pass per engine kind: one-time kernel set-up stays out of the cells."""
+    params = SamplingParams(max_new_tokens=8)
+    eos = tuple(s.eos)
+    Engine(s.target, None, cell_config("ar", 1), eos_token_ids=eos).generate(prompts[:1], params)
+    d = next(iter(drafters.values()))
+    for policy in ("head", "cost"):
+        Engine(s.target, d, cell_config(policy, 1), eos_token_ids=eos).generate(prompts[:1], params)
+    run_hf(s.hf, prompts[:1], 1, 8, s.eos[0], s.eos, False)
+
+
+# -- criteria -----------------------------------------------------------------------------------
+
+
+def policy_index(rows: list[dict]) -> dict[tuple[str | None, str, str, int], dict]:
+    """(drafter, method, domain, C) → row, over the policy study's rows only."""
+    return {
+        (r["drafter"], r["method"], r["domain"], r["concurrency"]): r
+        for r in rows
+        if r.get("study") == "policies"
+    }
+
+
+def verdict(cells: list[dict]) -> bool | None:
+    """PASS when every checked cell passes; None when nothing could be checked."""
+    return all(c["pass"] for c in cells) if cells else None
+
+
+def criterion_weak(rows: list[dict]) -> dict:
+    """(a) weak drafter: cost's median speedup ≥ WEAK_FLOOR in every (domain, C) cell."""
+    idx = policy_index(rows)
+    cells = [
+        {"domain": d, "concurrency": c, "speedup": r["speedup"], "pass": r["speedup"] >= WEAK_FLOOR}
+        for (drafter, m, d, c), r in idx.items()
+        if drafter == "weak" and m == "cost"
+    ]
+    return {
+        "rule": f"weak drafter: cost ≥ {WEAK_FLOOR}× ar (median speedup) in every (domain, C) cell",
+        "pass": verdict(cells),
+        "cells": cells,
+    }
+
+
+def criterion_shipped(rows: list[dict]) -> dict:
+    """(b) shipped drafter: cost ≥ max(ar, head) in every cell within noise — cost's best repeat
+    (max tokens/s) reaches the median tokens/s of ar and of head."""
+    idx = policy_index(rows)
+    cells = []
+    for (drafter, m, d, c), r in idx.items():
+        if drafter != "shipped" or m != "cost":
+            continue
+        rivals = {
+            name: idx[key]["tokens_per_s"]
+            for name, key in (("ar", (None, "ar", d, c)), ("head", ("shipped", "head", d, c)))
+            if key in idx
+        }
+        best = max(rivals.values(), default=0.0)
+        cells.append(
+            {
+                "domain": d,
+                "concurrency": c,
+                "cost_median": r["tokens_per_s"],
+                "cost_max": r["tokens_per_s_max"],
+                **{f"{name}_median": v for name, v in rivals.items()},
+                "pass": r["tokens_per_s_max"] >= best,
+            }
+        )
+    return {
+        "rule": "shipped drafter: cost ≥ max(ar, head) in every (domain, C) cell within noise, "
+        "i.e. cost's max tokens/s over the repeats ≥ the median tokens/s of ar and of head",
+        "pass": verdict(cells),
+        "cells": cells,
+    }
+
+
+def criterion_oracle(rows: list[dict]) -> dict:
+    """(c) shipped drafter: at each C, cost's speedup averaged over domains ≥ ORACLE_SHARE ×
+    oracle-len's (speedups share the cell's ar, so this compares throughputs domain by domain)."""
+    idx = policy_index(rows)
+    cells = []
+    for c in sorted({k[3] for k in idx}):
+        domains = [
+            d
+            for (drafter, m, d, cc) in idx
+            if (drafter, m, cc) == ("shipped", "cost", c) and ("shipped", "oracle-len", d, c) in idx
+        ]
+        if not domains:
+            continue
+        cost = sum(idx[("shipped", "cost", d, c)]["speedup"] for d in domains) / len(domains)
+        oracle = sum(idx[("shipped", "oracle-len", d, c)]["speedup"] for d in domains) / len(
+            domains
+        )
+        ratio = cost / oracle if oracle else 0.0
+        cells.append(
+            {
+                "concurrency": c,
+                "domains": domains,
+                "cost_speedup": round(cost, 3),
+                "oracle_len_speedup": round(oracle, 3),
+                "ratio": round(ratio, 3),
+                "pass": ratio >= ORACLE_SHARE,
+            }
+        )
+    return {
+        "rule": f"shipped drafter: cost ≥ {ORACLE_SHARE:.0%} of oracle-len at each C "
+        "(median speedups averaged over domains)",
+        "pass": verdict(cells),
+        "cells": cells,
+    }
+
+
+def criteria(rows: list[dict]) -> dict[str, dict]:
+    return {"a": criterion_weak(rows), "b": criterion_shipped(rows), "c": criterion_oracle(rows)}
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def engine_knobs(block_size: int) -> dict:
+    """The verify-width settings a run used (for ``args``: the run is reproducible from them)."""
+    cfg = EngineConfig(policy="cost").as_dict()
+    cost = policies.make_policy("cost", block_size)
+    assert isinstance(cost, policies.CostPolicy)
+    return {
+        "max_running_requests": "C",
+        "max_batch_tokens": "16 × C",
+        **{k: cfg[k] for k in ("gamma", "ema_beta", "max_prefill_tokens", "max_context")},
+        "block_size": block_size,
+        "cost_policy": {
+            "probe_every": cost.probe_every,
+            "probe_width": cost.probe_width,
+            "decay": policies.DECAY,
+            "max_probe_gap": policies.MAX_PROBE_GAP,
+            "prior_weight": policies.PRIOR_WEIGHT,
+        },
+    }
+
+
+def paper_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("study", "paper") == "paper"]
 
 
 def markdown(result: dict) -> str:
-    rows = result["rows"]
+    parts = []
+    if paper_rows(result["rows"]):
+        parts.append(paper_markdown(result))
+    if policy_index(result["rows"]):
+        parts.append(policy_markdown(result))
+    return "\n".join(parts)
+
+
+def paper_markdown(result: dict) -> str:
+    rows = paper_rows(result["rows"])
     domains = list(dict.fromkeys(r["domain"] for r in rows))
     concs = sorted({r["concurrency"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -345,13 +655,161 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def charts(result: dict, out: Path) -> None:
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def policy_summary(idx: dict, drafter: str, concs: list[int], domains: list[str]) -> list[str]:
+    """Rows = method (ar and hf for reference), columns = C, cells = domain-averaged speedup."""
+    methods = [("ar", None), ("hf", None)] + [(m, drafter) for m in POLICY_METHODS]
+    lines = [
+        "| method | " + " | ".join(f"C={c}" for c in concs) + " |",
+        "|---|" + "---|" * len(concs),
+    ]
+    for m, d in methods:
+        cells = []
+        for c in concs:
+            rs = [idx[(d, m, dom, c)] for dom in domains if (d, m, dom, c) in idx]
+            if not rs:
+                cells.append("—")
+                continue
+            cell = f"{mean([r['speedup'] for r in rs]):.2f}×"
+            if "accept_len" in rs[0]:
+                tau, width = (
+                    mean([r["accept_len"] for r in rs]),
+                    mean([r["verify_len"] for r in rs]),
+                )
+                cell += f" / {tau:.2f} ({width:.1f})"
+            cells.append(cell)
+        if any(x != "—" for x in cells):
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def policy_detail(
+    idx: dict, drafter: str | None, concs: list[int], domains: list[str]
+) -> list[str]:
+    """Rows = method × domain, columns = C; cells = median speedup [worst–best] / τ (width),
+    or for ar/hf (``drafter`` None) median tokens/s [min–max]."""
+    methods = ("ar", "hf") if drafter is None else POLICY_METHODS
+    lines = [
+        "| method | domain | " + " | ".join(f"C={c}" for c in concs) + " |",
+        "|---|---|" + "---|" * len(concs),
+    ]
+    for m in methods:
+        for dom in domains:
+            cells = []
+            for c in concs:
+                r = idx.get((drafter, m, dom, c))
+                if r is None:
+                    cells.append("—")
+                elif drafter is None:
+                    cells.append(
+                        f"{r['tokens_per_s']:.1f} [{r['tokens_per_s_min']:.1f}–"
+                        f"{r['tokens_per_s_max']:.1f}]"
+                    )
+                else:
+                    cells.append(
+                        f"{r['speedup']:.2f}× [{r['speedup_min']:.2f}–{r['speedup_max']:.2f}] "
+                        f"/ {r['accept_len']:.2f} ({r['verify_len']:.1f})"
+                    )
+            if any(x != "—" for x in cells):
+                lines.append(f"| {m} | {dom} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def criteria_lines(crit: dict[str, dict]) -> list[str]:
+    lines = []
+    for name, cr in crit.items():
+        status = {True: "PASS", False: "FAIL", None: "n/a (no rows)"}[cr["pass"]]
+        failed = [c for c in cr["cells"] if not c["pass"]]
+        where = ", ".join(
+            f"{c['domain']} C={c['concurrency']}" if "domain" in c else f"C={c['concurrency']}"
+            for c in failed
+        )
+        detail = f" — {len(failed)}/{len(cr['cells'])} failing: {where}" if failed else ""
+        lines.append(f"- ({name}) {cr['rule']}: **{status}**{detail}")
+        if name == "a" and cr["cells"]:
+            worst = min(cr["cells"], key=lambda c: c["speedup"])
+            lines.append(
+                f"  - worst cell: {worst['domain']} C={worst['concurrency']} "
+                f"{worst['speedup']:.2f}×"
+            )
+        if name == "b":
+            for c in failed:
+                rivals = ", ".join(
+                    f"{k[:-7]} {v:.1f}"
+                    for k, v in c.items()
+                    if k.endswith("_median") and k != "cost_median"
+                )
+                lines.append(
+                    f"  - {c['domain']} C={c['concurrency']}: cost {c['cost_median']:.1f} "
+                    f"(max {c['cost_max']:.1f}) tok/s vs {rivals}"
+                )
+        if name == "c":
+            lines += [
+                f"  - C={c['concurrency']}: cost {c['cost_speedup']:.2f}× vs oracle-len "
+                f"{c['oracle_len_speedup']:.2f}× → {c['ratio']:.0%}"
+                for c in cr["cells"]
+            ]
+    return lines
+
+
+def policy_markdown(result: dict) -> str:
+    idx = policy_index(result["rows"])
+    domains = list(dict.fromkeys(k[2] for k in idx))
+    concs = sorted({k[3] for k in idx})
+    drafters = [d for d in POLICY_DRAFTERS if any(k[0] == d for k in idx)]
+    a, m = result["args"], result["machine"]
+    lines = [
+        "## Policy study: verify width",
+        "",
+        f"{result['date']}, {m['platform']}, torch {m['torch']}, {a['prompts']} prompts "
+        f"(C prompts where C is larger) × {a['max_new_tokens']} tokens per domain, greedy, "
+        f"{a['dtype']}, {m['torch_threads']} torch thread(s), {a['repeats']} interleaved "
+        f"repeats per cell, domains {', '.join(domains)}. " + a.get("note", ""),
+        "",
+        "Cells: median speedup over `ar` averaged over domains / τ (average verify length).",
+    ]
+    for d in drafters:
+        lines += ["", f"### drafter `{d}`", "", *policy_summary(idx, d, concs, domains)]
+    lines += [
+        "",
+        "### per cell",
+        "",
+        "`ar` and `hf`: median tokens/s [min–max] over the repeats.",
+        "",
+        *policy_detail(idx, None, concs, domains),
+    ]
+    for d in drafters:
+        lines += [
+            "",
+            f"drafter `{d}`: median speedup [worst–best pairing with `ar`'s repeats] / τ "
+            "(average verify length).",
+            "",
+            *policy_detail(idx, d, concs, domains),
+        ]
+    lines += ["", "### criteria", "", *criteria_lines(result["criteria"])]
+    return "\n".join(lines) + "\n"
+
+
+def charts(result: dict, out: Path) -> list[str]:
+    """PNG charts of the studies that ran; returns their file names."""
     import matplotlib
 
     matplotlib.use("Agg")
+    names = []
+    if paper_rows(result["rows"]):
+        names += paper_charts(result, out)
+    if policy_index(result["rows"]):
+        names.append(policy_chart(result, out))
+    return names
+
+
+def paper_charts(result: dict, out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
+    rows = paper_rows(result["rows"])
     methods = list(dict.fromkeys(r["method"] for r in rows))
     concs = sorted({r["concurrency"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -378,6 +836,160 @@ def charts(result: dict, out: Path) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "adaptation.png", dpi=110)
+    return ["speedup.png", "adaptation.png"]
+
+
+def policy_chart(result: dict, out: Path) -> str:
+    """One panel per drafter: domain-averaged speedup per method against concurrency, with the
+    domain-averaged worst/best pairing as the error bar."""
+    import matplotlib.pyplot as plt
+
+    idx = policy_index(result["rows"])
+    concs = sorted({k[3] for k in idx})
+    drafters = [d for d in POLICY_DRAFTERS if any(k[0] == d for k in idx)]
+    fig, axes = plt.subplots(1, len(drafters), figsize=(4.2 * len(drafters), 4), squeeze=False)
+    for ax, d in zip(axes[0], drafters, strict=True):
+        for m, dr in [("hf", None)] + [(m, d) for m in POLICY_METHODS]:
+            pts = []
+            for c in concs:
+                rs = [r for k, r in idx.items() if k[:2] == (dr, m) and k[3] == c]
+                if rs:
+                    med = mean([r["speedup"] for r in rs])
+                    worst = mean([r["speedup_min"] for r in rs])
+                    best = mean([r["speedup_max"] for r in rs])
+                    pts.append((c, med, med - worst, best - med))
+            if pts:
+                xs, ys, below, above = zip(*pts, strict=True)
+                ax.errorbar(xs, ys, yerr=[below, above], marker="o", capsize=3, label=m)
+        ax.axhline(1.0, color="gray", ls="--")
+        ax.set_title(f"drafter: {d}")
+        ax.set_xlabel("concurrency")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("speedup over ar (avg over domains)")
+    fig.tight_layout()
+    fig.savefig(out / "policies.png", dpi=110)
+    return "policies.png"
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small smoke run (< 10 min)")
+    ap.add_argument(
+        "--study",
+        choices=STUDIES,
+        default="paper",
+        help="paper: Table 1 (online adaptation); policies: verify-width policies; both",
+    )
+    ap.add_argument("--drafter", default=str(REPO / "assets" / "drafters" / DEFAULT_DRAFTER))
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--domains", nargs="+", default=["math", "code", "chat", "blend"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        default=16,
+        help="eval prompts per domain (at concurrency C > this, the first C prompts)",
+    )
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3, help="online adaptation rounds")
+    ap.add_argument("--chunk", type=int, default=64, help="train trajectories per round")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--anchors", type=int, default=16)
+    ap.add_argument("--sim-anchors", type=int, default=16)
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="policy study: interleaved runs per cell (default 3, 2 with --quick)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="policy study: the weak drafter's seed")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--note", default="", help="free text stored with the results")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="default docs/results/compare (docs/results/compare-policies for --study policies)",
+    )
+    args = ap.parse_args()
+    if args.out is None:
+        args.out = "docs/results/compare" + ("-policies" if args.study == "policies" else "")
+    if args.quick:
+        args.domains, args.concurrency = ["chat", "math"], [1, 4]
+        args.prompts, args.max_new_tokens, args.rounds, args.chunk = 4, 48, 1, 8
+        args.epochs, args.out = 1, args.out + "-quick"
+        if args.study == "policies":
+            args.max_new_tokens = 24
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 3
+    if args.repeats < 1:
+        ap.error("--repeats must be ≥ 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.time()
+    target_dir = resolve_target(args.target)
+    target = load_target(target_dir, args.dtype)
+    tok = Tokenizer.from_folder(target_dir)
+    eos = sorted(set(target.cfg.eos_token_ids) | set(tok.eos_token_ids))
+    shipped = load_drafter(args.drafter, "float32")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, args.dtype))
+    s = Setup(target, tok, hf, eos, SamplingParams(max_new_tokens=args.max_new_tokens), args)
+    args.engine = engine_knobs(shipped.cfg.block_size)
+    study_paper, study_policies = (
+        args.study in ("paper", "both"),
+        args.study in ("policies", "both"),
+    )
+    drafters = {"shipped": shipped, "weak": weak_drafter(shipped, args.seed), "oracle": shipped}
+    rows: list[dict] = []
+    curves: dict[str, list[float]] = {}
+    for i, domain in enumerate(args.domains):
+        all_prompts = [
+            encode_prompt(tok, p.prompt, chat=True)
+            for p in load_prompts(domain, "eval", max([args.prompts, *args.concurrency]))
+        ]
+        ar_ref = greedy_references(s, all_prompts)
+        if study_paper:
+            rows += paper_domain(s, domain, all_prompts, ar_ref, shipped, curves)
+        if study_policies:
+            if i == 0:
+                warm_up(s, all_prompts, drafters)
+            rows += policy_domain(s, domain, all_prompts, ar_ref, drafters)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "benchmark": "bench/compare.py",
+        "args": vars(args),
+        "note": args.note,
+        "rows": rows,
+        "adaptation_curves": curves,
+        "minutes": round((time.time() - t_start) / 60, 1),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    if study_policies:
+        result["criteria"] = criteria(rows)
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "table.md").write_text(markdown(result))
+    pngs = charts(result, out)
+    print(f"wrote {out}/results.json, table.md, {', '.join(pngs)} ({result['minutes']} min)")
 
 
 if __name__ == "__main__":

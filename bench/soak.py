@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the server")
     ap.add_argument("--serve-args", default="", help="extra `adaflash serve` arguments")
+    ap.add_argument("--note", default="", help="what else ran on the machine; the commit")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     port = free_port()
@@ -152,11 +153,12 @@ def main() -> None:
         proc.wait(60)
     out = {
         "benchmark": "bench/soak.py",
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "note")},
         "rss_idle_mb": round(started, 1),
         **result,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "note": args.note,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -124,7 +124,7 @@ def build_ui(service: Service) -> gr.Blocks:
                 f" + {cost['target_per_token_ms']:.2f} ms/token"
                 f" + {cost['target_per_request_ms']:.2f} ms/request · drafter pass "
                 f"{cost['drafter_base_ms']:.1f} ms + {cost['drafter_per_request_ms']:.2f}"
-                " ms/request"
+                f" ms/request + {cost['drafter_per_context_token_ms']:.3f} ms/context token"
             )
         runs = d.runs
         table = [

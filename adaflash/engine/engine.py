@@ -248,7 +248,7 @@ class Engine:
         if res.pass_error is None:
             self.cost.observe_target(res.pass_tokens, len(res.passed), res.verify_ms / 1e3)
             if res.drafted and not res.draft_failed:
-                self.cost.observe_drafter(res.drafted, res.draft_ms / 1e3)
+                self.cost.observe_drafter(res.drafted, res.draft_ms / 1e3, res.draft_context)
         if res.pass_error is not None:
             self._pass_failed(res.passed, res.pass_error)
             return True

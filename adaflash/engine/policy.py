@@ -22,7 +22,8 @@ finds nothing doubles that gap (up to 256 rounds), one that finds accepted draft
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +40,9 @@ class PolicyContext:
     budget: int  # verification tokens the pass may hold
     other_tokens: int  # prefill tokens in the same pass
     plain_requests: int = 0  # ready requests that do not draft this step (set by the round)
+    # context positions a request would bring to the drafter pass (committed since it last
+    # drafted: the longer it did not draft, the more its first draft costs); set by the round
+    pending: Callable[[Request], int] = field(default=lambda r: 0)
 
 
 class Policy:
@@ -91,6 +95,7 @@ class HeadPolicy(Policy):
 DECAY = 0.9  # per verified round: a request's profile follows its last ~10 rounds
 MAX_PROBE_GAP = 256  # rounds: a request whose probes keep failing is probed this rarely
 PRIOR_WEIGHT = 2.0  # rounds' worth of the engine-wide profile mixed into each request's
+START = (1.0, 2.0)  # engine-wide (accepted, verified) per slot before any round: a = 0.5, weak
 
 
 def profile(r: Request, block_size: int) -> tuple[list[float], list[float]]:
@@ -108,9 +113,10 @@ class CostPolicy(Policy):
         self.reset()
 
     def reset(self) -> None:
-        # engine-wide profile: decayed counts over all requests (optimistic start: explore)
-        self.seen = [1.0] * (self.block_size - 1)
-        self.ok = [1.0] * (self.block_size - 1)
+        # engine-wide profile: decayed counts over all requests; it starts at a = 0.5 per slot
+        # with little weight (a coin flip: worth a narrow look, not a wide one)
+        self.seen = [START[1]] * (self.block_size - 1)
+        self.ok = [START[0]] * (self.block_size - 1)
 
     def observe(self, r: Request, verify_len: int, accepted: int, block_size: int) -> None:
         if id(r) in self.probing and verify_len > 1:  # a probe: back off while it finds nothing
@@ -118,7 +124,8 @@ class CostPolicy(Policy):
             r.probe_gap = self.probe_every if accepted else min(2 * gap, MAX_PROBE_GAP)
         super().observe(r, verify_len, accepted, block_size)
         if len(self.seen) != block_size - 1:
-            self.seen, self.ok = [1.0] * (block_size - 1), [1.0] * (block_size - 1)
+            self.block_size = block_size
+            self.reset()
         for i in range(verify_len - 1):
             self.seen[i] = 0.995 * self.seen[i] + 1.0
             self.ok[i] = 0.995 * self.ok[i] + float(i < accepted)
@@ -135,20 +142,25 @@ class CostPolicy(Policy):
         return out
 
     def plan(
-        self, reqs: list[Request], n_drafting: int, ctx: PolicyContext, plain: int
+        self,
+        reqs: list[Request],
+        ctx: PolicyContext,
+        plain: int,
+        survival: dict[int, list[float]] | None = None,
     ) -> tuple[float, dict[int, int]]:
         """Best expected rate (tokens/s) and widths when ``reqs`` draft (``plain`` others
         take a plain step): greedy slots by survival."""
         k = ctx.block_size
+        surv = survival or {id(r): self.survival(r, k) for r in reqs}
         widths = {id(r): 1 for r in reqs}
         tokens = float(len(reqs) + plain)  # every request yields at least its bonus token
         n_tok = len(reqs) + plain + ctx.other_tokens
         n_req = len(reqs) + plain
-        fixed = ctx.cost.drafter_s(n_drafting)
+        fixed = ctx.cost.drafter_s(len(reqs), sum(ctx.pending(r) for r in reqs))
         best_rate = tokens / (fixed + ctx.cost.target_s(n_tok, n_req))
         best = dict(widths)
         cands = sorted(
-            ((s, id(r), i + 2) for r in reqs for i, s in enumerate(self.survival(r, k))),
+            ((s, id(r), i + 2) for r in reqs for i, s in enumerate(surv[id(r)])),
             key=lambda c: -c[0],
         )
         for s, rid, w in cands:  # each request's slots come in order: survival decreases
@@ -166,12 +178,13 @@ class CostPolicy(Policy):
         if not ready:
             return []
         k = ctx.block_size
+        surv = {id(r): self.survival(r, k) for r in ready}  # once per step
         # candidates by their value: expected extra tokens from the first few slots
-        order = sorted(ready, key=lambda r: -sum(self.survival(r, k)))
+        order = sorted(ready, key=lambda r: -sum(surv[id(r)]))
         plain_rate = len(ready) / ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
         best_n, best_rate = 0, plain_rate
         for n in range(1, len(order) + 1):
-            rate, _ = self.plan(order[:n], n, ctx, len(ready) - n)
+            rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         chosen = order[:best_n]
@@ -190,7 +203,7 @@ class CostPolicy(Policy):
     def widths(
         self, spec: list[Request], a_hat: torch.Tensor | None, ctx: PolicyContext
     ) -> torch.Tensor:
-        _, widths = self.plan(spec, len(spec), ctx, ctx.plain_requests)
+        _, widths = self.plan(spec, ctx, ctx.plain_requests)
         return torch.tensor(
             [max(widths[id(r)], self.probe_width if id(r) in self.probing else 1) for r in spec]
         )

@@ -57,6 +57,7 @@ class Plan:
     drafts: list[int]  # k̂ − 1 draft tokens
     drafted: int  # tokens the drafter proposed (k − 1, or 0 without a draft)
     a_hat: float | None = None
+    context: int = 0  # context positions its draft projected first (catch-up since last draft)
 
 
 @dataclass
@@ -81,6 +82,7 @@ class RoundResult:
     verify_ms: float = 0.0
     draft_failed: bool = False
     drafted: int = 0  # requests the drafter ran for
+    draft_context: int = 0  # context positions that drafter pass projected (catch-up)
     pass_tokens: int = 0  # tokens in the target pass
 
 
@@ -100,6 +102,7 @@ def speculative_round(
     # draft (none: no drafter pass at all)
     plans, res.draft_failed = draft(target, drafting, chosen, policy, ctx)
     res.drafted = sum(1 for p in plans if p.drafted)
+    res.draft_context = sum(p.context for p in plans)
     t1 = time.perf_counter()
     # 4. admission: Σ k̂ under the verification budget; the rest wait for the next step
     fit = admission.pack([p.verify_len for p in plans])
@@ -139,6 +142,14 @@ def can_draft(r: Request, drafting: Drafting | None) -> bool:
     return drafting is not None and r.features is not None and r.tokens_left > 1
 
 
+def pending_context(d: Drafting, r: Request) -> int:
+    """Target positions whose features this request's next draft must project first."""
+    if r.features is None:
+        return 0
+    done = r.ctx_len if r.ctx_version == d.version and r.draft_slot in d.cache else 0
+    return d.features.length[r.features] - done
+
+
 def draft(
     target: TargetModel,
     drafting: Drafting | None,
@@ -149,6 +160,8 @@ def draft(
     """Steps 1–3. A drafter failure costs this round its speculation, nothing more (those
     requests take a plain step; their context is rebuilt from raw features next time)."""
     plans = {id(r): Plan(r, 1, [], 0) for r in reqs}
+    if drafting is not None:
+        ctx.pending = lambda r: pending_context(drafting, r)
     spec = policy.drafters([r for r in reqs if can_draft(r, drafting)], ctx)
     ctx.plain_requests = len(reqs) - len(spec)
     failed = False
@@ -167,6 +180,7 @@ def draft_plans(
     target: TargetModel, d: Drafting, spec: list[Request], policy: Policy, ctx: PolicyContext
 ) -> dict[int, Plan]:
     k = d.drafter.cfg.block_size
+    catch_up = {id(r): pending_context(d, r) for r in spec}
     # 1. draft_block: [anchor, mask_token_id × (k−1)] at positions p … p+k−1
     block_ids = torch.full((len(spec), k), d.drafter.cfg.mask_token_id)
     block_ids[:, 0] = torch.tensor([r.anchor for r in spec])
@@ -191,6 +205,7 @@ def draft_plans(
             drafts[i][: int(k_hat[i]) - 1],
             k - 1,
             None if a_hat is None else float(a_hat[i]),
+            catch_up[id(r)],
         )
         for i, r in enumerate(spec)
     }

@@ -52,3 +52,24 @@ def test_cost_policy_drafts_only_when_it_pays():
         pricey.observe_target(n, 1, 0.040 + 0.0005 * n)
         pricey.observe_drafter(1, 0.200)
     assert policy.drafters([good], PolicyContext(k, 1.0, pricey, 512, 0)) == []
+
+
+def test_drafter_cost_learns_context_catch_up_and_the_policy_prices_it():
+    cost = CostModel()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):  # 8 ms + 2 ms/request + 0.1 ms per context position projected
+        reqs = int(torch.randint(1, 9, (1,), generator=g))
+        ctx_tokens = int(torch.randint(0, 400, (1,), generator=g))
+        cost.observe_drafter(reqs, 0.008 + 0.002 * reqs + 0.0001 * ctx_tokens, ctx_tokens)
+        cost.observe_target(ctx_tokens % 64 + 1, reqs, 0.040 + 0.0005 * (ctx_tokens % 64 + 1))
+    assert abs(cost.drafter_s(2, 100) - 0.022) < 1e-3
+    assert cost.snapshot()["drafter_per_context_token_ms"] > 0.05
+    k = 8
+    policy = CostPolicy(k)
+    r = req(0)
+    for _ in range(20):  # drafts accepted about half the time per slot
+        policy.observe(r, k, 1, k)
+    near = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0, pending=lambda _: 1)
+    far = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0, pending=lambda _: 5000)
+    assert policy.drafters([r], near) == [r]  # drafting pays when it is caught up …
+    assert policy.drafters([r], far) == []  # … not when 5,000 positions must be projected first

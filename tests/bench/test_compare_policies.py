@@ -1,0 +1,189 @@
+"""bench/compare.py's policy study: the pure parts (aggregation over repeats, criteria, table)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "bench" / "compare.py"
+
+
+@pytest.fixture(scope="module")
+def compare() -> Iterator[ModuleType]:
+    spec = importlib.util.spec_from_file_location("bench_compare", PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def row(drafter, method, domain, c, tps, *, lo=None, hi=None, sp=1.0):
+    """A policy-study row as compare.policy_rows writes it (only the fields criteria read)."""
+    return {
+        "study": "policies",
+        "drafter": drafter,
+        "method": method,
+        "domain": domain,
+        "concurrency": c,
+        "tokens_per_s": tps,
+        "tokens_per_s_min": tps if lo is None else lo,
+        "tokens_per_s_max": tps if hi is None else hi,
+        "speedup": sp,
+        "speedup_min": sp,
+        "speedup_max": sp,
+    }
+
+
+def run(tps, tau=None, width=None, outs=None):
+    r = {"tokens_per_s": tps, "output_tokens": 24}
+    if tau is not None:
+        r |= {"accept_len": tau, "verify_len": width}
+    if outs is not None:
+        r["_outputs"] = outs
+    return r
+
+
+# -- aggregation ------------------------------------------------------------------------------
+
+
+def test_spread_is_median_min_max(compare: ModuleType) -> None:
+    assert compare.spread([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert compare.spread([1.0, 3.0]) == (2.0, 1.0, 3.0)  # even count: the mean of the middle
+    assert compare.spread([5.0]) == (5.0, 5.0, 5.0)
+
+
+def test_policy_rows_aggregate_repeats_against_the_cells_ar(compare: ModuleType) -> None:
+    same = {(1, 2): [3, 4], (5,): [6]}
+    other = {(1, 2): [3, 4], (5,): [7]}
+    runs = {
+        (None, "ar"): [run(10.0, 1.0, 1.0, same), run(12.0, 1.0, 1.0, same), run(11.0, 1, 1, same)],
+        (None, "hf"): [run(9.0), run(8.0), run(10.0)],
+        ("weak", "cost"): [
+            run(20.0, 2.0, 4.0, same),
+            run(14.0, 3.0, 6.0, same),
+            run(16.0, 2.5, 5.0, other),
+        ],
+    }
+    rows = {(r["drafter"], r["method"]): r for r in compare.policy_rows("chat", 4, runs)}
+    ar, hf, cost = rows[(None, "ar")], rows[(None, "hf")], rows[("weak", "cost")]
+    assert all(r["study"] == "policies" and r["domain"] == "chat" for r in rows.values())
+    assert all(r["concurrency"] == 4 and r["repeats"] == 3 for r in rows.values())
+    assert (ar["tokens_per_s"], ar["tokens_per_s_min"], ar["tokens_per_s_max"]) == (11, 10, 12)
+    assert ar["speedup"] == 1.0
+    assert ar["speedup_min"] == round(10 / 12, 3) and ar["speedup_max"] == round(12 / 10, 3)
+    assert (cost["tokens_per_s"], cost["tokens_per_s_min"], cost["tokens_per_s_max"]) == (
+        16,
+        14,
+        20,
+    )
+    assert cost["speedup"] == round(16 / 11, 3)  # median ÷ median ar
+    assert cost["speedup_min"] == round(14 / 12, 3)  # worst pairing: min ÷ max ar
+    assert cost["speedup_max"] == round(20 / 10, 3)  # best pairing: max ÷ min ar
+    assert (cost["accept_len"], cost["verify_len"]) == (2.5, 5.0)  # medians
+    assert cost["identical_to_ar"] == 2  # the first repeat's outputs against ar's
+    assert hf["speedup"] == round(9 / 11, 3) and "accept_len" not in hf
+    assert "identical_to_ar" not in hf and "accept_len" not in ar  # ar/hf: no drafter
+    assert ar["drafter"] is None and hf["drafter"] is None
+
+
+def test_policy_plan_skips_the_oracle_drafters_length_oracle(compare: ModuleType) -> None:
+    plan = compare.policy_plan(["shipped", "weak", "oracle"])
+    assert plan[:2] == [(None, "ar"), (None, "hf")]
+    assert ("shipped", "oracle-len") in plan and ("weak", "oracle-len") in plan
+    assert ("oracle", "oracle-len") not in plan and ("oracle", "cost") in plan
+    assert len(plan) == 2 + 3 + 3 + 2
+
+
+# -- criteria ---------------------------------------------------------------------------------
+
+
+def test_criterion_a_weak_drafter_keeps_97_percent_of_ar(compare: ModuleType) -> None:
+    ok = [
+        row("weak", "cost", "chat", 1, 10.0, sp=0.97),
+        row("weak", "cost", "math", 4, 10.0, sp=1.01),
+        row("weak", "head", "math", 4, 10.0, sp=0.5),  # head may lose: not checked
+    ]
+    a = compare.criteria(ok)["a"]
+    assert a["pass"] is True and len(a["cells"]) == 2
+    bad = [*ok, row("weak", "cost", "code", 8, 10.0, sp=0.96)]
+    a = compare.criteria(bad)["a"]
+    assert a["pass"] is False
+    assert [(c["domain"], c["concurrency"]) for c in a["cells"] if not c["pass"]] == [("code", 8)]
+
+
+def test_criterion_b_shipped_cost_beats_ar_and_head_within_noise(compare: ModuleType) -> None:
+    cell = [row(None, "ar", "chat", 1, 10.0), row("shipped", "head", "chat", 1, 12.0)]
+    # cost's median is below head's, but its best repeat reaches head's median: within noise
+    ok = [*cell, row("shipped", "cost", "chat", 1, 11.5, lo=11.0, hi=12.0)]
+    b = compare.criteria(ok)["b"]
+    assert b["pass"] is True
+    assert b["cells"][0]["ar_median"] == 10.0 and b["cells"][0]["head_median"] == 12.0
+    bad = [*cell, row("shipped", "cost", "chat", 1, 11.5, lo=11.0, hi=11.9)]
+    assert compare.criteria(bad)["b"]["pass"] is False
+    # losing to ar also fails, even with head far behind
+    slow = [
+        row(None, "ar", "math", 4, 20.0),
+        row("shipped", "head", "math", 4, 5.0),
+        row("shipped", "cost", "math", 4, 18.0, lo=17.0, hi=19.0),
+    ]
+    assert compare.criteria([*ok, *slow])["b"]["pass"] is False
+
+
+def test_criterion_c_shipped_cost_reaches_90_percent_of_oracle_len(compare: ModuleType) -> None:
+    def rows(cost_math: float) -> list[dict]:
+        return [
+            row("shipped", "cost", "chat", 1, 1.0, sp=1.0),
+            row("shipped", "cost", "math", 1, 1.0, sp=cost_math),
+            row("shipped", "oracle-len", "chat", 1, 1.0, sp=1.2),
+            row("shipped", "oracle-len", "math", 1, 1.0, sp=0.8),
+            row("shipped", "cost", "chat", 4, 1.0, sp=1.0),
+            row("shipped", "oracle-len", "chat", 4, 1.0, sp=1.0),
+        ]
+
+    c = compare.criteria(rows(0.8))["c"]  # averages 0.9 vs 1.0 at C=1: exactly 90 %
+    assert c["pass"] is True
+    assert [(x["concurrency"], x["ratio"]) for x in c["cells"]] == [(1, 0.9), (4, 1.0)]
+    c = compare.criteria(rows(0.78))["c"]
+    assert c["pass"] is False
+    assert [x["concurrency"] for x in c["cells"] if not x["pass"]] == [1]
+
+
+def test_criteria_without_rows_are_not_applicable(compare: ModuleType) -> None:
+    paper = [{"domain": "chat", "concurrency": 1, "method": "ar", "speedup": 1.0}]
+    assert all(cr["pass"] is None for cr in compare.criteria(paper).values())
+
+
+def test_table_shows_summary_detail_and_verdicts(compare: ModuleType) -> None:
+    rows = []
+    for d, c in (("chat", 1), ("math", 1)):
+        rows += [
+            row(None, "ar", d, c, 10.0),
+            row(None, "hf", d, c, 9.0, sp=0.9),
+            row("weak", "cost", d, c, 9.0, sp=0.9),  # (a) fails
+            row("shipped", "head", d, c, 12.0, sp=1.2),
+            row("shipped", "cost", d, c, 13.0, sp=1.3),
+            row("shipped", "oracle-len", d, c, 14.0, sp=1.4),
+        ]
+    for r in rows:
+        if r["drafter"] is not None:
+            r |= {"accept_len": 2.0, "verify_len": 4.0}
+    result = {
+        "rows": rows,
+        "date": "today",
+        "args": {"prompts": 4, "max_new_tokens": 24, "dtype": "bfloat16", "repeats": 2},
+        "machine": {"platform": "test", "torch": "x", "torch_threads": 1},
+    }
+    result["criteria"] = compare.criteria(rows)
+    text = compare.markdown(result)
+    assert "Speedup over `ar` / τ" not in text  # no paper rows: no paper table
+    assert "### drafter `shipped`" in text and "### drafter `weak`" in text
+    assert "| cost | 1.30× / 2.00 (4.0) |" in text
+    assert "(a) weak drafter" in text and "**FAIL** — 2/2 failing: chat C=1, math C=1" in text
+    assert text.count("**PASS**") == 2
