@@ -345,9 +345,9 @@ def weak_drafter(shipped: DFlashDrafter, seed: int) -> DFlashDrafter:
     return weak.eval()
 
 
-def policy_plan(drafters: list[str]) -> list[Key]:
+def policy_plan(drafters: list[str], with_hf: bool = True) -> list[Key]:
     """The methods of one cell in the order each repeat runs them."""
-    plan: list[Key] = [(None, "ar"), (None, "hf")]
+    plan: list[Key] = [(None, "ar")] + ([(None, "hf")] if with_hf else [])
     for d in drafters:
         plan += [(d, m) for m in POLICY_METHODS if not (d == "oracle" and m == "oracle-len")]
     return plan
@@ -387,7 +387,7 @@ def policy_cell(
     drafters: dict[str, DFlashDrafter],
 ) -> dict[Key, list[dict]]:
     """Every method of one (domain, C) cell, ``--repeats`` times, interleaved."""
-    plan = policy_plan(list(drafters))
+    plan = policy_plan(list(drafters), with_hf=not s.args.no_hf)
     runs: dict[Key, list[dict]] = {key: [] for key in plan}
     for _ in range(s.args.repeats):
         for key in plan:
@@ -908,6 +908,11 @@ def parse_args() -> argparse.Namespace:
         help="policy study: interleaved runs per cell (default 3, 2 with --quick)",
     )
     ap.add_argument("--seed", type=int, default=0, help="policy study: the weak drafter's seed")
+    ap.add_argument(
+        "--no-hf",
+        action="store_true",
+        help="policy study: leave out HF generate (bench/peers.py has it)",
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--note", default="", help="free text stored with the results")

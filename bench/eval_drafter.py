@@ -7,7 +7,7 @@ tokens/s, with speedup = tokens/s ÷ ``ar`` tokens/s on the same prompts. Greedy
 method are checked token-identical to ``ar`` (fp32) or counted as differing (bf16 can flip a
 near-tie between a batched and a one-token pass).
 
-    python bench/eval_drafter.py --drafter assets/drafters/smollm2-135m-dflash-chat \
+    python bench/eval_drafter.py --drafter assets/drafters/smollm2-135m-dflash \
         --out docs/results/default_drafter_eval.json
 """
 
@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["ar", "fixed", "head", "cost"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--note", default="", help="what else ran on the machine")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.threads:
@@ -112,7 +113,7 @@ def main() -> None:
     out = {
         "benchmark": "bench/eval_drafter.py",
         "drafter": str(args.drafter),
-        "target": str(target_dir),
+        "target": Path(target_dir).name,  # the model, not this machine's cache path
         "dtype": args.dtype,
         "concurrency": 1,
         "greedy": True,
@@ -123,6 +124,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
         },
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "note": args.note,
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,15 @@ from adaflash.pull import resolve_target
 from adaflash.tokenizer import Tokenizer
 from adaflash.workloads import load_prompts
 
+REPO = Path(__file__).resolve().parent.parent
+
 Run = Callable[[list[list[int]], int], tuple[float, float]]  # → (tok/s, ms per decode step)
+
+
+def repo_relative(path: str | Path) -> str:
+    """A path inside the repository as relative to it (result files name no machine's paths)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(path)
 
 
 def adaflash_runner(target: TargetModel, drafter, policy: str) -> Run:  # type: ignore[no-untyped-def]
@@ -96,9 +104,10 @@ def hf_runner(folder: Path, pad_id: int) -> Run:
 class LlamaCpp:
     """Batched greedy decoding with llama.cpp's C API (llama-cpp-python bindings)."""
 
-    def __init__(self, path: Path, threads: int, max_batch: int, n_ctx: int = 8192) -> None:
+    def __init__(self, path: Path, threads: int, max_batch: int, per_seq: int = 1024) -> None:
         import llama_cpp as lc
 
+        n_ctx = max_batch * per_seq  # llama.cpp splits its context between the sequences
         self.lc = lc
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
@@ -223,7 +232,7 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "rounds": args.rounds,
             "prompts": "workloads/chat_eval.jsonl, chat template",
-            "drafter": str(drafter_dir) if drafter_dir else None,
+            "drafter": repo_relative(drafter_dir) if drafter_dir else None,
             "note": args.note,
         },
         "machine": {
