@@ -37,7 +37,8 @@ for i in $(seq 1 "$RUNS"); do
   fi
   prev=$run
 done
-rm -rf "$OUT" && cp -r "$prev" "$OUT" && rm -rf "$OUT/logs"
-.venv/bin/python bench/eval_drafter.py --drafter "$OUT" --domains chat code math --prompts 8 \
+.venv/bin/python bench/eval_drafter.py --drafter "$prev" --domains chat code math --prompts 8 \
   --max-new-tokens 64 --threads 2 --out docs/results/default_drafter_eval.json
+.venv/bin/python scripts/ship_drafter.py "$prev" "$OUT" \
+  --curve docs/results/drafter/learning_curve.json --eval docs/results/default_drafter_eval.json
 .venv/bin/python scripts/plot_learning_curve.py docs/results/drafter/learning_curve.json
