@@ -26,7 +26,7 @@ from adaflash.models.target import load_target
 from adaflash.pull import PullError
 from adaflash.tokenizer import Tokenizer
 
-DEFAULT_DRAFTER = "smollm2-135m-dflash-chat"
+DEFAULT_DRAFTER = "smollm2-135m-dflash"
 
 
 def build_engine(

@@ -40,5 +40,6 @@ done
 .venv/bin/python bench/eval_drafter.py --drafter "$prev" --domains chat code math --prompts 8 \
   --max-new-tokens 64 --threads 2 --out docs/results/default_drafter_eval.json
 .venv/bin/python scripts/ship_drafter.py "$prev" "$OUT" \
-  --curve docs/results/drafter/learning_curve.json --eval docs/results/default_drafter_eval.json
+  --curve docs/results/drafter/learning_curve.json --eval docs/results/default_drafter_eval.json \
+  --title "SmolLM2-135M-Instruct DFlash drafter (chat + code, k = 8)"
 .venv/bin/python scripts/plot_learning_curve.py docs/results/drafter/learning_curve.json

@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("out", help="where the shipped drafter goes (replaced)")
     ap.add_argument("--curve", default=None, help="learning-curve JSON of the chained runs")
     ap.add_argument("--eval", default=None, help="bench/eval_drafter.py result for this drafter")
+    ap.add_argument("--title", default=None, help="the model card's title (default: the run's)")
     args = ap.parse_args()
     src, out = Path(args.run), Path(args.out)
     load_drafter(src, "float32")  # refuse a folder that does not load
@@ -69,7 +70,12 @@ def main() -> None:
             raise SystemExit(f"{f.name} is {f.stat().st_size / 2**20:.1f} MB: over the 25 MB limit")
     card = json.loads((tmp / "training.json").read_text())
     blocks = int(card.get("result", {}).get("blocks_seen") or 0)
-    lines = [(tmp / "README.md").read_text().rstrip(), ""]
+    text = (tmp / "README.md").read_text().rstrip()
+    if args.title:
+        card["title"] = args.title
+        (tmp / "training.json").write_text(json.dumps(card, indent=2) + "\n")
+        text = "\n".join([f"# {args.title}", *text.splitlines()[1:]])
+    lines = [text, ""]
     if args.curve:
         curve = json.loads(Path(args.curve).read_text())
         lines += [

@@ -70,7 +70,7 @@ def small_drafter(folder: Path) -> Path:
 
 def test_our_checkpoints_load_as_plain_dflash_drafters(tmp_path):
     assert dflash_compat_problems(small_drafter(tmp_path / "d")) == []
-    shipped = REPO / "assets" / "drafters" / "smollm2-135m-dflash-chat"
+    shipped = REPO / "assets" / "drafters" / "smollm2-135m-dflash"
     if (shipped / "config.json").is_file():
         assert dflash_compat_problems(shipped) == []
 
