@@ -17,7 +17,11 @@ verified token; so slots are added greedily by survival, and the step's rate is 
 every prefix. Who drafts is chosen the same way, comparing the best rate with each number of
 drafting requests against the plain step. A request that has not drafted for ``probe_every``
 rounds drafts anyway (its profile may be stale after a hot swap or on a new domain); a probe that
-finds nothing doubles that gap (up to 256 rounds), one that finds accepted drafts resets it.
+finds nothing doubles that gap (up to 256 rounds), one that finds accepted drafts resets it. The
+engine keeps the same gap for the drafter as a whole, and a new request starts from it, so a
+drafter that keeps failing is not probed again by every request that arrives. When nobody
+drafts, one probe runs: the stale request with the least context to catch up (its drafter pass
+is the cheapest).
 """
 
 from __future__ import annotations
@@ -117,11 +121,15 @@ class CostPolicy(Policy):
         # with little weight (a coin flip: worth a narrow look, not a wide one)
         self.seen = [START[1]] * (self.block_size - 1)
         self.ok = [START[0]] * (self.block_size - 1)
+        self.probe_gap = self.probe_every  # the drafter's: where a new request's gap starts
 
     def observe(self, r: Request, verify_len: int, accepted: int, block_size: int) -> None:
         if id(r) in self.probing and verify_len > 1:  # a probe: back off while it finds nothing
-            gap = r.probe_gap or self.probe_every
+            gap = r.probe_gap or self.probe_gap
             r.probe_gap = self.probe_every if accepted else min(2 * gap, MAX_PROBE_GAP)
+            self.probe_gap = (
+                self.probe_every if accepted else min(2 * self.probe_gap, MAX_PROBE_GAP)
+            )
         super().observe(r, verify_len, accepted, block_size)
         if len(self.seen) != block_size - 1:
             self.block_size = block_size
@@ -193,10 +201,10 @@ class CostPolicy(Policy):
         stale = [
             r
             for r in order[best_n:]
-            if r.rounds - r.last_drafted >= (r.probe_gap or self.probe_every)
+            if r.rounds - r.last_drafted >= (r.probe_gap or self.probe_gap)
         ]
         if not chosen:
-            stale = sorted(stale, key=lambda r: r.last_drafted)[:1]
+            stale = sorted(stale, key=ctx.pending)[:1]
         self.probing = {id(r) for r in stale}
         return chosen + stale
 

@@ -73,3 +73,48 @@ def test_drafter_cost_learns_context_catch_up_and_the_policy_prices_it():
     far = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0, pending=lambda _: 5000)
     assert policy.drafters([r], near) == [r]  # drafting pays when it is caught up …
     assert policy.drafters([r], far) == []  # … not when 5,000 positions must be projected first
+
+
+def plain_cost() -> CostModel:
+    cost = CostModel()
+    for n in range(1, 40):  # a drafter pass costs as much as a target step: rarely worth it
+        cost.observe_target(n, 1, 0.040 + 0.0005 * n)
+        cost.observe_drafter(1, 0.040)
+    return cost
+
+
+def test_failed_probes_back_off_for_the_drafter_and_new_requests_inherit_the_gap():
+    k = 8
+    policy = CostPolicy(k, probe_every=4)
+    ctx = PolicyContext(k, 1.0, plain_cost(), budget=512, other_tokens=0)
+    r = req(0)
+    for _ in range(30):  # the drafter never gets anything right: profile says do not draft
+        policy.observe(r, k, 0, k)
+    probes = 0
+    for rnd in range(1, 200):
+        r.rounds = rnd
+        chosen = policy.drafters([r], ctx)
+        if chosen:  # a probe: verified, finds nothing
+            probes += 1
+            policy.observe(r, 4, 0, k)
+    assert 3 <= probes <= 6  # gaps 4, 8, 16, 32, 64, 128: backing off, not every 4 rounds
+    late = req(1)  # a request that arrives now starts from the drafter's long gap
+    late.rounds = 40
+    assert policy.drafters([late], ctx) == []
+    policy.reset()  # a new drafter version: probe soon again
+    assert policy.probe_gap == 4
+
+
+def test_the_probe_goes_to_the_stale_request_with_least_context_to_catch_up():
+    k = 8
+    policy = CostPolicy(k, probe_every=4)
+    a, b = req(0), req(1)
+    for r in (a, b):
+        for _ in range(30):
+            policy.observe(r, k, 0, k)
+        r.rounds = 10
+    pending = {id(a): 300, id(b): 20}
+    ctx = PolicyContext(
+        k, 1.0, plain_cost(), budget=512, other_tokens=0, pending=lambda r: pending[id(r)]
+    )
+    assert policy.drafters([a, b], ctx) == [b]
