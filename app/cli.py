@@ -207,7 +207,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         """Keep the earlier runs' points (up to where this one starts) and add this run's."""
         assert curve_path is not None
         old = json.loads(curve_path.read_text()) if curve_path.is_file() else {"points": []}
-        kept = [p for p in old["points"] if p["blocks"] < (offset or 1)]
+        kept = [p for p in old["points"] if p["blocks"] <= offset]  # the parent run ends at offset
         curve_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = curve_path.with_suffix(".tmp")
         tmp.write_text(
