@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bf16-autocast", action="store_true")
+    ap.add_argument("--note", default="", help="what else ran on the machine")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -152,6 +153,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
         },
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "note": args.note,
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
