@@ -86,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     drafter = resolve_drafter(args.drafter, args.target)
     cfg = EngineConfig(
-        policy=args.policy or ("head" if drafter else "ar"),
+        policy=args.policy or ("cost" if drafter else "ar"),
         gamma=args.gamma,
         dtype=args.dtype,
         num_threads=args.threads,
@@ -192,7 +192,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
         print(f"{out}: all {len(done)} prompts already answered")
         return 0
     cfg = EngineConfig(
-        policy=args.policy or ("head" if args.drafter else "ar"),
+        policy=args.policy or ("cost" if args.drafter else "ar"),
         dtype=args.dtype,
         num_threads=args.threads,
         max_running_requests=args.batch,

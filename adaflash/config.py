@@ -343,7 +343,7 @@ class SamplingDefaults:
 class EngineConfig:
     """Scheduling and verification settings of the serving engine (SPEC §5)."""
 
-    policy: Policy = "head"
+    policy: Policy = "cost"  # why it is the default: README, Results
     gamma: float = 1.0  # load-scaling factor γ of k̂ = clamp(⌊γ·â·k⌋, 1, k); paper best 1.0
     max_running_requests: int = 32
     max_batch_tokens: int = 512  # budget of verification tokens per packed pass

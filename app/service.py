@@ -67,7 +67,7 @@ class ServeConfig:
     drafter: str | None = None  # folder or "none"; default: the shipped drafter
     database_url: str | None = None  # default: SQLite under the data dir
     weights_dir: str | None = None  # default: <data dir>/weights
-    policy: Policy = "head"
+    policy: Policy = "cost"
     gamma: float = 1.0
     dtype: str = "bfloat16"
     max_temperature: float = 2.0

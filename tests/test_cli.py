@@ -49,7 +49,7 @@ def test_generate_prints_text_and_round_stats(folders):
     data = json.loads(out.stdout)
     assert len(data["outputs"]) == 2 and all(isinstance(t, str) for t in data["outputs"])
     stats = data["stats"]
-    assert stats["policy"] == "head" and stats["rounds"] > 0 and stats["accept_len"] >= 1.0
+    assert stats["policy"] == "cost" and stats["rounds"] > 0 and stats["accept_len"] >= 1.0
     assert 1.0 <= stats["verify_len"] <= 16
 
 

@@ -100,11 +100,15 @@ def test_max_tokens_default_to_the_context_window_and_the_flag_lowers_it(api, tm
 
 
 def test_meta_info_reports_draft_and_verify_time(api):
-    _, client = api
-    meta = client.post(
-        "/generate",
-        json={"text": "hello", "sampling_params": {"max_new_tokens": 12, "temperature": 0}},
-    ).json()["meta_info"]
+    service, client = api
+    service.configure(policy="fixed")  # drafts every round (cost may choose not to draft)
+    try:
+        meta = client.post(
+            "/generate",
+            json={"text": "hello", "sampling_params": {"max_new_tokens": 12, "temperature": 0}},
+        ).json()["meta_info"]
+    finally:
+        service.configure(policy="cost")
     assert meta["spec_draft_time_ms"] > 0 and meta["spec_verify_time_ms"] > 0
 
 
