@@ -9,7 +9,7 @@ run) to show what the same runtime gains when drafts are accepted. Speed is repo
 ``ar`` at the same concurrency, measured in the same run. ``verify_cost`` is the median time of
 one target pass adding n = 1, 4, 8, 16 tokens per request, as a ratio to a decode step (n = 1).
 
-    python bench/bench_engine.py --out docs/results/bench_engine.json
+    python bench/bench_engine.py --out docs/results/engine/bench_engine.json
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=15, help="passes per verify-cost cell")
     ap.add_argument("--note", default="", help="what else ran on the machine")
-    ap.add_argument("--out", default="docs/results/bench_engine.json")
+    ap.add_argument("--out", default="docs/results/engine/bench_engine.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
