@@ -885,7 +885,9 @@ def parse_args() -> argparse.Namespace:
         default="paper",
         help="paper: Table 1 (online adaptation); policies: verify-width policies; both",
     )
-    ap.add_argument("--drafter", default=str(REPO / "assets" / "drafters" / DEFAULT_DRAFTER))
+    ap.add_argument(
+        "--drafter", default=f"assets/drafters/{DEFAULT_DRAFTER}", help="relative to the repo"
+    )
     ap.add_argument("--target", default=None)
     ap.add_argument("--domains", nargs="+", default=["math", "code", "chat", "blend"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
@@ -946,7 +948,8 @@ def main() -> None:
     target = load_target(target_dir, args.dtype)
     tok = Tokenizer.from_folder(target_dir)
     eos = sorted(set(target.cfg.eos_token_ids) | set(tok.eos_token_ids))
-    shipped = load_drafter(args.drafter, "float32")
+    drafter_dir = Path(args.drafter)
+    shipped = load_drafter(drafter_dir if drafter_dir.exists() else REPO / drafter_dir, "float32")
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, args.dtype))
