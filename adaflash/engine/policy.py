@@ -20,8 +20,9 @@ rounds drafts anyway (its profile may be stale after a hot swap or on a new doma
 finds nothing doubles that gap (up to 256 rounds), one that finds accepted drafts resets it. The
 engine keeps the same gap for the drafter as a whole, and a new request starts from it, so a
 drafter that keeps failing is not probed again by every request that arrives. When nobody
-drafts, one probe runs: the stale request with the least context to catch up (its drafter pass
-is the cheapest).
+drafts, the drafter-wide gap counts steps, not a request's rounds (short replies would never
+reach it): after that many steps without a drafter pass, one probe runs, on the ready request
+with the least context to catch up (its drafter pass is the cheapest).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class CostPolicy(Policy):
         self.seen = [START[1]] * (self.block_size - 1)
         self.ok = [START[0]] * (self.block_size - 1)
         self.probe_gap = self.probe_every  # the drafter's: where a new request's gap starts
+        self.idle_steps = 0  # steps since the drafter last ran
 
     def observe(self, r: Request, verify_len: int, accepted: int, block_size: int) -> None:
         if id(r) in self.probing and verify_len > 1:  # a probe: back off while it finds nothing
@@ -196,15 +198,21 @@ class CostPolicy(Policy):
             if rate > best_rate:
                 best_n, best_rate = n, rate
         chosen = order[:best_n]
-        # probes: requests that have not drafted for a while draft anyway — all of them when
-        # the drafter runs regardless (nearly free), else the stalest one
-        stale = [
-            r
-            for r in order[best_n:]
-            if r.rounds - r.last_drafted >= (r.probe_gap or self.probe_gap)
-        ]
-        if not chosen:
-            stale = sorted(stale, key=ctx.pending)[:1]
+        # probes: when the drafter runs regardless (nearly free), every request that has not
+        # drafted for its gap; when it would not run, one request once the drafter has been
+        # idle for the drafter-wide gap
+        if chosen:
+            stale = [
+                r
+                for r in order[best_n:]
+                if r.rounds - r.last_drafted >= (r.probe_gap or self.probe_gap)
+            ]
+        else:
+            self.idle_steps += 1
+            lone = self.idle_steps >= self.probe_gap
+            stale = sorted(order, key=ctx.pending)[:1] if lone else []
+        if chosen or stale:
+            self.idle_steps = 0
         self.probing = {id(r) for r in stale}
         return chosen + stale
 

@@ -105,7 +105,7 @@ def test_failed_probes_back_off_for_the_drafter_and_new_requests_inherit_the_gap
     assert policy.probe_gap == 4
 
 
-def test_the_probe_goes_to_the_stale_request_with_least_context_to_catch_up():
+def test_the_lone_probe_waits_for_the_gap_and_goes_to_the_least_context_to_catch_up():
     k = 8
     policy = CostPolicy(k, probe_every=4)
     a, b = req(0), req(1)
@@ -117,4 +117,30 @@ def test_the_probe_goes_to_the_stale_request_with_least_context_to_catch_up():
     ctx = PolicyContext(
         k, 1.0, plain_cost(), budget=512, other_tokens=0, pending=lambda r: pending[id(r)]
     )
-    assert policy.drafters([a, b], ctx) == [b]
+    assert [policy.drafters([a, b], ctx) for _ in range(4)] == [[], [], [], [b]]
+
+
+def test_short_lived_requests_still_probe_and_a_good_drafter_is_noticed():
+    """Replies shorter than the probe gap never reach it by their own rounds; the drafter-wide
+    idle clock probes them anyway, and accepted probes lift the engine-wide profile until
+    drafting pays without probing."""
+    k = 8
+    cost = CostModel()
+    for n in range(1, 40):  # verifying is nearly free next to a step's base cost
+        cost.observe_target(n, 1, 0.040 + 0.0005 * n)
+        cost.observe_drafter(1, 0.020)
+    policy = CostPolicy(k, probe_every=4)
+    for _ in range(40):  # the engine-wide profile says: this drafter finds nothing
+        policy.observe(req(99), k, 0, k)
+    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
+    drafted, probes = [], 0
+    for step in range(300):  # a new one-round request every step
+        r = req(step)
+        chosen = policy.drafters([r], ctx)
+        probes += bool(chosen) and id(r) in policy.probing
+        if chosen:  # the drafter has become perfect: everything verified is accepted
+            w = int(policy.widths(chosen, None, ctx)[0])
+            policy.observe(r, w, w - 1, k)
+        drafted.append(bool(chosen))
+    assert probes >= 1
+    assert all(drafted[-10:])  # noticed: every request drafts, no probe needed

@@ -12,6 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from adaflash.config import EngineConfig, SamplingParams
+from adaflash.cost_model import CostModel
 from adaflash.decoding.sampling import target_probs
 from adaflash.engine.engine import Engine
 from adaflash.models.target import PackedBatch
@@ -64,6 +65,23 @@ def chi_square_p(samples: list[tuple[int, ...]], joint: dict[tuple[int, ...], fl
     return float(chisquare(obs, [e * scale for e in exp]).pvalue)
 
 
+class PinnedCost(CostModel):
+    """Costs fixed by the test, not timed: which requests draft depends on their acceptance
+    profiles alone, so every run makes the same choices (the tiny model's real timings would
+    make drafting pay on one machine and never on another)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target.theta[:] = torch.tensor([0.040, 0.0001, 0.0])  # a step's base cost dominates
+        self.drafter.theta[:] = torch.tensor([0.004, 0.00001, 0.0])
+
+    def observe_target(self, tokens: int, requests: int, seconds: float) -> None:
+        pass
+
+    def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
+        pass
+
+
 def spec_samples(engine, temperature, top_k, top_p) -> list[tuple[int, ...]]:
     params = [
         SamplingParams(
@@ -102,6 +120,8 @@ def test_speculative_sampling_matches_target_distribution(
         if drafter_kind == "oracle"
         else Engine(target, drafter, cfg)
     )
+    if policy == "cost":
+        engine.cost = PinnedCost()
     samples = spec_samples(engine, temperature, top_k, top_p)
     joint = exact_joint(target, PROMPT, temperature, top_k, top_p)
     p = chi_square_p(samples, joint)
@@ -110,6 +130,8 @@ def test_speculative_sampling_matches_target_distribution(
         # drafts were both accepted and rejected
         assert 0.1 * engine.counters.verified < engine.counters.accepted
         assert engine.counters.accepted < engine.counters.verified
+    if policy == "cost":  # some rounds verified drafts, others were plain steps (k̂ = 0)
+        assert 0 < engine.counters.slot_verified[0] < engine.counters.rounds
 
 
 def test_chi_square_detects_a_wrong_distribution(tiny_llama):
