@@ -352,6 +352,9 @@ class EngineConfig:
     max_context: int | None = None  # defaults to the target's max_position_embeddings
     dtype: str = "float32"
     num_threads: int | None = None
+    # batch-1 decode steps through a compiled graph (models/decode_graph.py), compiled in the
+    # background; ADAFLASH_COMPILE=0 switches it off whatever this says
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -391,6 +391,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_running_requests=args.max_running_requests,
         admin_token=args.admin_token,
         trainer=False if args.no_trainer else None,
+        compile=False if args.no_compile else None,
         threads=args.threads,
         default_temperature=args.default_temperature,
         default_top_p=args.default_top_p,
@@ -478,6 +479,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads of the server")
     p.add_argument("--no-ui", action="store_true")
     p.add_argument("--no-trainer", action="store_true", help="do not start the trainer")
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="eager batch-1 decode steps only (default: compiled in the background, ~70 s)",
+    )
     p.add_argument("--trainer-threads", type=int, default=None, help="default 1")
     add_trainer_process_args(p)
     add_online_args(p)

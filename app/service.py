@@ -79,6 +79,7 @@ class ServeConfig:
     max_batch_tokens: int = 512
     admin_token: str | None = None  # admin endpoints are disabled without one
     trainer: bool = True  # spawn `adaflash trainer` beside the server
+    compile: bool = True  # batch-1 decode steps compiled in the background (models/decode_graph.py)
     threads: int | None = None
     max_body_bytes: int = 1_000_000
     drain_seconds: float = 10.0
@@ -197,6 +198,7 @@ class Service:
                 dtype=self.cfg.dtype,
                 max_running_requests=self.cfg.max_running_requests,
                 max_batch_tokens=max(self.cfg.max_batch_tokens, DEFAULT_BLOCK_SIZE),
+                compile=self.cfg.compile,
             ),
             sink=self.sink,
             drafter_version=version,

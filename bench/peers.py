@@ -3,7 +3,9 @@
 Engines (each generating exactly --new-tokens greedy tokens per prompt after the chat-templated
 prompt, EOS ignored, so every engine does the same work):
 
-- ``adaflash-ar``: our engine, plain decoding (bf16);
+- ``adaflash-ar``: our engine, plain decoding (bf16), batch-1 steps compiled as a user gets by
+  default (``models/decode_graph.py``; compiled before the rounds, the time is recorded);
+- ``adaflash-ar-eager``: the same without the compiled step (``--no-compile`` drops compiled rows);
 - ``adaflash-head`` / ``adaflash-cost``: our engine with a drafter (speculative), verify length
   from the length head / from the online cost model (which may not draft at all);
 - ``hf``: Hugging Face transformers ``generate`` (bf16, left-padded batches);
@@ -55,8 +57,11 @@ def repo_relative(path: str | Path) -> str:
     return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(path)
 
 
-def adaflash_runner(target: TargetModel, drafter, policy: str) -> Run:  # type: ignore[no-untyped-def]
+def adaflash_runner(target: TargetModel, drafter, policy: str, compiled: bool = True) -> Run:  # type: ignore[no-untyped-def]
+    graph = target.decode_graph
+
     def run(prompts: list[list[int]], new: int) -> tuple[float, float]:
+        target.decode_graph = graph if compiled else None
         engine = Engine(
             target,
             drafter if policy != "ar" else None,
@@ -177,6 +182,7 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="drafter of adaflash-head (default: shipped)")
     ap.add_argument("--gguf-bf16", default=None)
     ap.add_argument("--gguf-q4", default=None)
+    ap.add_argument("--no-compile", action="store_true", help="eager batch-1 steps only")
     ap.add_argument("--note", default="", help="what else ran on the machine")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -187,7 +193,16 @@ def main() -> None:
     drafter_dir = args.drafter or default_drafter()
     drafter = load_drafter(drafter_dir, "bfloat16") if drafter_dir else None
     texts = [p.prompt for p in load_prompts("chat", "eval")]
+    compile_s: dict[str, float] = {}
+    if not args.no_compile:  # what `serve` compiles in the background, here before timing
+        graphs = [()] + ([tuple(drafter.cfg.target_layer_ids)] if drafter is not None else [])
+        for capture in graphs:
+            graph = target.compile_decode(capture, background=False)
+            assert graph.ready(capture), graph.failed
+        compile_s = {str(list(c)): round(s, 1) for c, s in graph.compile_s.items()}
     runners: dict[str, Run] = {"adaflash-ar": adaflash_runner(target, None, "ar")}
+    if not args.no_compile:
+        runners["adaflash-ar-eager"] = adaflash_runner(target, None, "ar", compiled=False)
     if drafter is not None:
         runners["adaflash-head"] = adaflash_runner(target, drafter, "head")
         runners["adaflash-cost"] = adaflash_runner(target, drafter, "cost")
@@ -233,6 +248,8 @@ def main() -> None:
             "rounds": args.rounds,
             "prompts": "workloads/chat_eval.jsonl, chat template",
             "drafter": repo_relative(drafter_dir) if drafter_dir else None,
+            "compiled_decode": not args.no_compile,
+            "compile_s": compile_s,  # per captured-layer set; [] = plain decoding
             "note": args.note,
         },
         "machine": {

@@ -35,7 +35,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(root: Path, *extra: str, admin: bool = True) -> Server:
+def start_server(root: Path, *extra: str, admin: bool = True, compile: bool = False) -> Server:
+    """``serve`` on tiny models; eager steps unless ``compile`` (a background compile would
+    switch a test's steps to the compiled graph halfway through; tests/app/test_compiled_serve.py
+    covers that path)."""
     target, drafter = build_serving_folders(root)
     port = free_port()
     data = root / "data"
@@ -60,6 +63,8 @@ def start_server(root: Path, *extra: str, admin: bool = True) -> Server:
     ]
     if admin:
         cmd += ["--admin-token", ADMIN_TOKEN]
+    if not compile:
+        cmd += ["--no-compile"]
     env = {**os.environ, "ADAFLASH_DATA": str(data), "PYTHONUNBUFFERED": "1"}
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -38,6 +38,7 @@ from adaflash.engine.request import (
 from adaflash.engine.round import Drafting, Propose, RoundResult, Verified, speculative_round
 from adaflash.engine.scheduler import Admission, Scheduler
 from adaflash.metrics import SpecCounters
+from adaflash.models.decode_graph import compile_enabled
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.kv_cache import KVCache
 from adaflash.models.target import TargetModel
@@ -135,6 +136,15 @@ class Engine:
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._suspects: set[int] = set()  # requests to run alone after a failed shared pass
+        self._request_graphs()
+
+    def _request_graphs(self) -> None:
+        """With ``cfg.compile``: the compiled batch-1 step for what this engine now runs (plain
+        decoding, or capturing the drafter's context), compiled in the background."""
+        if not (self.cfg.compile and compile_enabled()):
+            return
+        capture = self.drafting.drafter.cfg.target_layer_ids if self.drafting else ()
+        self.target.compile_decode(tuple(capture) if self.policy != "ar" else ())
 
     # -- thread-safe control surface ----------------------------------------------------------
     def add_request(
@@ -432,10 +442,12 @@ class Engine:
                     r.slot_seen, r.slot_ok, r.probe_gap = [], [], 0  # and so does its profile
                 self._policy = make_policy(self.policy, self.block_size)
                 self.stats.swaps += 1
+                self._request_graphs()
             elif isinstance(cmd, _SetPolicy):
                 if cmd.policy and cmd.policy != self.policy:
                     self.policy = cmd.policy
                     self._policy = make_policy(cmd.policy, self.block_size)
+                    self._request_graphs()
                 self.gamma = cmd.gamma or self.gamma
 
     def _abort(self, request_id: str | None) -> None:

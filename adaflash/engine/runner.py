@@ -147,6 +147,10 @@ class EngineRunner:
     def cost_snapshot(self) -> dict[str, float] | None:
         return self.engine.cost.snapshot()
 
+    def compiled_decode(self) -> tuple[str, int]:
+        graph = self.engine.target.decode_graph
+        return (graph.status(), graph.steps) if graph is not None else ("off", 0)
+
     # -- commands (applied between two steps) ---------------------------------------------------
     def swap_drafter(self, drafter: DFlashDrafter, version: str) -> None:
         self.engine.swap_drafter(drafter, version)

@@ -144,8 +144,8 @@ def attend_packed(
     for s in plan.singles:
         row = cache.row(s.slot)
         end = s.past + s.n
-        keys = cache.data[layer, 0, row, :, :end]
-        values = cache.data[layer, 1, row, :, :end]
+        keys = cache.data[row, layer, 0, :, :end]
+        values = cache.data[row, layer, 1, :, :end]
         piece = attend(
             q[s.offset : s.offset + s.n], keys, values, causal_mask(s.n, s.past, q.device)
         )

@@ -1,7 +1,9 @@
 """Key/value cache slots for packed ragged batches, in one preallocated pool.
 
 Every layer's keys and values of every slot live in one tensor
-``(layers, 2, rows, kv_heads, capacity, head_dim)``, written in place. A slot is a stable id that
+``(rows, layers, 2, kv_heads, capacity, head_dim)``, written in place: a row's keys and values
+are one block whose strides depend only on the capacity (what a compiled decode graph reads,
+``models/decode_graph.py``). A slot is a stable id that
 maps to a row; the rows in use are always ``0 … len(self) − 1`` (freeing a slot moves the last
 row's data into its row), so ``layer(l)`` is a view over every live request at once — what
 batched attention reads without copying. Rows and capacity grow by doubling when a request
@@ -66,11 +68,13 @@ class KVCache:
         self.rows = Rows()
         self._len: dict[int, int] = {}  # slot id → committed length
 
+    @torch.inference_mode()
     def _empty(self, rows: int, capacity: int) -> torch.Tensor:
+        """Always an inference tensor (the compiled decode step's guards see one kind)."""
         return torch.zeros(
+            rows,
             self.num_layers,
             2,
-            rows,
             self.kv_heads,
             capacity,
             self.head_dim,
@@ -85,7 +89,7 @@ class KVCache:
     # -- slot life cycle ---------------------------------------------------------------------
     @torch.inference_mode()
     def allocate(self) -> int:
-        if len(self.rows) == self.data.shape[2]:
+        if len(self.rows) == self.data.shape[0]:
             self._resize(2 * len(self.rows), self.capacity)
         slot, _ = self.rows.add()
         self._len[slot] = 0
@@ -101,7 +105,7 @@ class KVCache:
         if moved is not None:
             other, src, dst = moved
             n = self._len[other]
-            self.data[:, :, dst, :, :n] = self.data[:, :, src, :, :n]
+            self.data[dst, ..., :n, :] = self.data[src, ..., :n, :]
 
     def clear(self, slot: int) -> None:
         self._len[slot] = 0
@@ -117,7 +121,7 @@ class KVCache:
     def _resize(self, rows: int, capacity: int) -> None:
         grown = self._empty(rows, capacity)
         used, longest = len(self.rows), max(self._len.values(), default=0)
-        grown[:, :, :used, :, :longest] = self.data[:, :, :used, :, :longest]
+        grown[:used, ..., :longest, :] = self.data[:used, ..., :longest, :]
         self.data = grown
 
     # -- reading and writing -----------------------------------------------------------------
@@ -131,7 +135,7 @@ class KVCache:
         """Make room for ``extra`` tokens after the committed length."""
         need = self._len[slot] + extra
         if need > self.capacity:
-            self._resize(self.data.shape[2], max(need, 2 * self.capacity))
+            self._resize(self.data.shape[0], max(need, 2 * self.capacity))
 
     @torch.inference_mode()
     def write(
@@ -144,9 +148,9 @@ class KVCache:
         """
         row, start = self.rows.row[slot], self._len[slot]
         end = start + k.shape[1]
-        self.data[layer, 0, row, :, start:end] = k
-        self.data[layer, 1, row, :, start:end] = v
-        return self.data[layer, 0, row, :, :end], self.data[layer, 1, row, :, :end]
+        self.data[row, layer, 0, :, start:end] = k
+        self.data[row, layer, 1, :, start:end] = v
+        return self.data[row, layer, 0, :, :end], self.data[row, layer, 1, :, :end]
 
     @torch.inference_mode()
     def write_rows(
@@ -159,8 +163,8 @@ class KVCache:
     ) -> None:
         """Scatter the keys/values of a packed batch in place: token t goes to
         (rows[t], positions[t]); k, v (T, kv_heads, d)."""
-        keys = self.data[layer, 0].permute(0, 2, 1, 3)  # (rows, capacity, kv_heads, d) view
-        values = self.data[layer, 1].permute(0, 2, 1, 3)
+        keys = self.data[:, layer, 0].permute(0, 2, 1, 3)  # (rows, capacity, kv_heads, d) view
+        values = self.data[:, layer, 1].permute(0, 2, 1, 3)
         keys[rows, positions] = k
         values[rows, positions] = v
 
@@ -168,11 +172,11 @@ class KVCache:
         """Keys and values of every row in use, first ``length`` positions: views
         (rows in use, kv_heads, length, d)."""
         used = len(self.rows)
-        return self.data[layer, 0, :used, :, :length], self.data[layer, 1, :used, :, :length]
+        return self.data[:used, layer, 0, :, :length], self.data[:used, layer, 1, :, :length]
 
     def read(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         row, end = self.rows.row[slot], self._len[slot]
-        return self.data[layer, 0, row, :, :end], self.data[layer, 1, row, :, :end]
+        return self.data[row, layer, 0, :, :end], self.data[row, layer, 1, :, :end]
 
     def advance(self, slot: int, n: int) -> None:
         self._len[slot] += n

@@ -2,7 +2,8 @@
 
 Numerics follow Hugging Face's Llama/Qwen3 modeling code so that fp32 logits match within 1e-4:
 RMSNorm computes in fp32 and casts back before the weight multiply; RoPE tables are computed in
-fp32 and cast to the activation dtype; rotation is the ``rotate_half`` convention.
+fp32 and cast to the activation dtype; rotation is the ``rotate_half`` convention (computed as a
+roll and a sign folded into the sine table: the same products, bit for bit, in fewer ops).
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # x·rsqrt(mean(x²) + eps) in fp32, cast back, then the weight: HF's order, one kernel
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -130,10 +130,13 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions (N,) → cos, sin each (N, head_dim) in ``dtype``."""
+        """positions (N,) → cos, ±sin each (N, head_dim) in ``dtype``; ±sin is the sine with
+        its first half negated (``rotate_half``'s sign, for ``apply_rope``)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, head_dim/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (N, head_dim)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        sin[:, : sin.shape[1] // 2].neg_()
+        return emb.cos().to(dtype), sin.to(dtype)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -150,14 +153,12 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x (N, heads, head_dim); cos, ±sin (N, head_dim) from ``Rotary``.
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (N, heads, head_dim); cos/sin (N, head_dim)."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    HF's x·cos + rotate_half(x)·sin, where rotate_half(x) = [−x₂, x₁] = roll(x)·[−1, +1]: the
+    sign rides on the sine table, so each product is the same float, bit for bit."""
+    return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * signed_sin[:, None, :]
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from torch import nn
 from adaflash.config import TargetConfig
 from adaflash.models.batch_attention import AttentionPlan, attend_packed
 from adaflash.models.checkpoint import load_tensors, resolve_dtype
+from adaflash.models.decode_graph import DecodeGraph
 from adaflash.models.kv_cache import KVCache
 from adaflash.models.layers import (
     Projection,
@@ -99,12 +100,16 @@ class Attention(nn.Module):
             q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape(t, self.heads, d)  # (T, heads, d)
-        k = k.reshape(t, self.kv_heads, d)  # (T, kv_heads, d)
-        v = v.reshape(t, self.kv_heads, d)
+        v = v.reshape(t, self.kv_heads, d)  # (T, kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = apply_rope(self.q_norm(q.reshape(t, self.heads, d)), cos, sin)  # (T, heads, d)
+            k = apply_rope(self.k_norm(k.reshape(t, self.kv_heads, d)), cos, sin)
+        elif self.qkv is not None:  # q|k are adjacent in the fused output: one rotation
+            qk = apply_rope(qkv[:, : (self.heads + self.kv_heads) * d].reshape(t, -1, d), cos, sin)
+            q, k = qk.split([self.heads, self.kv_heads], dim=1)  # (T, heads | kv_heads, d)
+        else:
+            q = apply_rope(q.reshape(t, self.heads, d), cos, sin)
+            k = apply_rope(k.reshape(t, self.kv_heads, d), cos, sin)
         return self.o_proj(attend_packed(q, k, v, cache, layer, plan))  # (T, H)
 
 
@@ -142,6 +147,15 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.decode_graph: DecodeGraph | None = None  # ``compile_decode``
+
+    def compile_decode(self, capture: tuple[int, ...] = (), background: bool = True) -> DecodeGraph:
+        """Serve batch-1 decode steps that capture ``capture`` through a compiled graph once it
+        is ready (the eager step serves until then, and if compiling fails)."""
+        if self.decode_graph is None:
+            self.decode_graph = DecodeGraph(self)
+        self.decode_graph.request(capture, background)
+        return self.decode_graph
 
     @property
     def dtype(self) -> torch.dtype:
@@ -185,6 +199,13 @@ class TargetModel(nn.Module):
         returned concatenated as drafter context features. ``logits`` is "all" (every packed
         position), "last" (one row per request), "none", or a tensor of packed row indices.
         """
+        graph = self.decode_graph
+        one_row = logits in ("last", "all") if isinstance(logits, str) else logits.tolist() == [0]
+        if (
+            graph is not None and batch.lengths == (1,) and one_row and graph.ready(capture_layers)
+        ):  # one request, one token: the compiled step
+            out, feats = graph.step(batch.input_ids, batch.slots[0], cache, capture_layers)
+            return TargetOutput(out, feats)
         ids = batch.input_ids.to(self.device)
         for slot, n in zip(batch.slots, batch.lengths, strict=True):
             cache.reserve(slot, n)

@@ -76,6 +76,17 @@ class EngineCollector:
         yield GaugeMetricFamily(
             "adaflash_gamma", "load-scaling factor γ of the length head", value=b.gamma
         )
+        status, steps = b.compiled_decode()
+        compiled = GaugeMetricFamily(
+            "adaflash_compiled_decode",
+            "the compiled batch-1 decode step (1 on the current status) and steps it ran",
+            labels=["status"],
+        )
+        compiled.add_metric([status], 1.0)
+        yield compiled
+        yield CounterMetricFamily(
+            "adaflash_compiled_decode_steps", "decode steps run by the compiled graph", value=steps
+        )
         cost = b.cost_snapshot()
         if cost is not None:
             gauge = GaugeMetricFamily(

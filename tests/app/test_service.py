@@ -30,6 +30,7 @@ def make_service(root, **kw) -> Service:
         "database_url": f"sqlite:///{root / 'buffer.db'}",
         "weights_dir": str(root / "weights"),
         "trainer": False,
+        "compile": False,
         "admin_token": TOKEN,
         "dtype": "float32",
     }

@@ -1,0 +1,111 @@
+"""The compiled batch-1 decode step (models/decode_graph.py): the same tokens as HF ``generate``
+in fp32 for plain and speculative engines, across KV-pool growth, and the eager step whenever
+the graph is not there (compiling, failed, switched off)."""
+
+import pytest
+import torch
+
+from adaflash.config import EngineConfig, SamplingParams
+from adaflash.engine.engine import Engine
+from adaflash.models.decode_graph import DecodeGraph
+from adaflash.models.target import PackedBatch, load_target
+from tests.engine.conftest import random_drafter
+from tests.engine.oracle import OracleEngine, from_references
+from tests.engine.test_exactness import PROMPTS, hf_greedy
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny):
+    """A target of its own (the session's is shared by eager tests) with both graphs."""
+    folder, _, ref = tiny
+    target = load_target(folder, "float32")
+    drafter = random_drafter(target)
+    graph = target.compile_decode((), background=False)
+    target.compile_decode(tuple(drafter.cfg.target_layer_ids), background=False)
+    assert not graph.failed, graph.failed
+    references = {tuple(p): p + hf_greedy(ref, p, NEW + 20) for p in PROMPTS}
+    return target, drafter, references
+
+
+def test_plain_engine_through_the_graph_matches_hf_generate(compiled):
+    target, _, references = compiled
+    graph = target.decode_graph
+    before = graph.steps
+    engine = Engine(target, None, EngineConfig(policy="ar", max_running_requests=1))
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
+    assert graph.steps - before >= len(PROMPTS) * (NEW - 1)  # one request at a time: compiled
+
+
+def test_speculative_engine_with_captured_features_stays_exact(compiled):
+    target, drafter, references = compiled
+    graph = target.decode_graph
+    before = graph.steps
+    cfg = EngineConfig(policy="cost", max_running_requests=1)
+    engine = OracleEngine(target, drafter, cfg, continuation=from_references(references))
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
+    assert graph.steps > before  # plain steps (k̂ = 0) ran compiled, capturing the context
+
+
+def test_graph_equals_the_eager_step_across_pool_growth(compiled):
+    target, _, _ = compiled
+    graph = target.decode_graph
+
+    def run(use_graph: bool) -> list[torch.Tensor]:
+        target.decode_graph = graph if use_graph else None
+        cache = target.new_cache(initial_capacity=8)  # grows 8 → 16 → 32 → 64 on the way
+        slot = cache.allocate()
+        prompt = torch.tensor([3, 4, 5, 6, 7])
+        out = target(PackedBatch(prompt, (slot,), (5,)), cache, logits="last").logits
+        logits = []
+        for _ in range(40):
+            tok = out.argmax(-1)
+            out = target(PackedBatch(tok, (slot,), (1,)), cache, logits="last").logits
+            logits.append(out[0])
+        return logits
+
+    try:
+        steps = graph.steps
+        fast, eager = run(True), run(False)
+    finally:
+        target.decode_graph = graph
+    assert graph.steps - steps == 40
+    for a, b in zip(fast, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_graph_that_fails_to_compile_leaves_the_eager_step(tiny, monkeypatch):
+    folder, _, _ = tiny
+    target = load_target(folder, "float32")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    graph = target.compile_decode((), background=False)
+    assert graph.status() == "failed" and not graph.ready(())
+    cache = target.new_cache()
+    slot = cache.allocate()
+    out = target(PackedBatch(torch.tensor([3]), (slot,), (1,)), cache, logits="last")
+    assert out.logits is not None and graph.steps == 0
+
+
+def test_engine_asks_for_the_graph_only_when_configured(tiny, monkeypatch):
+    folder, _, _ = tiny
+    target = load_target(folder, "float32")
+    asked: list[tuple[int, ...]] = []
+    monkeypatch.setattr(
+        DecodeGraph, "request", lambda self, capture=(), bg=True: asked.append(capture)
+    )
+    Engine(target, None, EngineConfig(policy="ar"))
+    assert asked == []
+    Engine(target, None, EngineConfig(policy="ar", compile=True))
+    assert asked == [()]
+    monkeypatch.setenv("ADAFLASH_COMPILE", "0")
+    Engine(target, None, EngineConfig(policy="ar", compile=True))
+    assert asked == [()]
