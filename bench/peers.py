@@ -196,10 +196,13 @@ def main() -> None:
     compile_s: dict[str, float] = {}
     if not args.no_compile:  # what `serve` compiles in the background, here before timing
         graphs = [()] + ([tuple(drafter.cfg.target_layer_ids)] if drafter is not None else [])
-        for capture in graphs:
-            graph = target.compile_decode(capture, background=False)
+        for capture in graphs:  # the drafter's: decode and verification graphs
+            graph = target.compile_decode(capture, multi=bool(capture), background=False)
             assert graph.ready(capture), graph.failed
-        compile_s = {str(list(c)): round(s, 1) for c, s in graph.compile_s.items()}
+        compile_s = {
+            f"{list(c)}{' verify' if multi else ''}": round(s, 1)
+            for (c, multi), s in graph.compile_s.items()
+        }
     runners: dict[str, Run] = {"adaflash-ar": adaflash_runner(target, None, "ar")}
     if not args.no_compile:
         runners["adaflash-ar-eager"] = adaflash_runner(target, None, "ar", compiled=False)

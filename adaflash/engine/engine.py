@@ -143,8 +143,10 @@ class Engine:
         decoding, or capturing the drafter's context), compiled in the background."""
         if not (self.cfg.compile and compile_enabled()):
             return
-        capture = self.drafting.drafter.cfg.target_layer_ids if self.drafting else ()
-        self.target.compile_decode(tuple(capture) if self.policy != "ar" else ())
+        if self.drafting is None or self.policy == "ar":
+            self.target.compile_decode(())
+        else:  # plain steps and verification, both capturing the drafter's context
+            self.target.compile_decode(tuple(self.drafting.drafter.cfg.target_layer_ids), True)
 
     # -- thread-safe control surface ----------------------------------------------------------
     def add_request(

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+Key = tuple[tuple[int, ...], bool]  # (captured layers, several new tokens)
+
 
 def compile_enabled() -> bool:
     return os.environ.get("ADAFLASH_COMPILE", "1") != "0"
@@ -71,15 +73,16 @@ class DecodeStep(nn.Module):
 
     def forward(
         self,
-        ids: torch.Tensor,  # (1,)
-        pos: torch.Tensor,  # (1,) the token's position = the request's committed length
+        ids: torch.Tensor,  # (T,) new tokens of one request (decode: 1; verify: k̂)
+        pos: torch.Tensor,  # (1,) position of the first = the request's committed length
         past: torch.Tensor,  # (layers, 2, kv_heads, capacity, d) the request's pool row
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         t = self.target
-        cap = past.shape[3]
-        x = t.embed_tokens(ids)  # (1, H)
-        cos, sin = t.rotary(pos, x.dtype)  # (1, d)
-        hidden = (torch.arange(cap, device=ids.device) >= pos)[None, None, :]  # (1, 1, cap)
+        n, cap = ids.shape[0], past.shape[3]
+        x = t.embed_tokens(ids)  # (T, H)
+        cos, sin = t.rotary(pos + torch.arange(n, device=ids.device), x.dtype)  # (T, d)
+        hidden = (torch.arange(cap, device=ids.device) >= pos)[None, None, None, :]  # past ≥ pos
+        ahead = torch.ones(n, n, dtype=torch.bool, device=ids.device).triu(1)  # (T, T) j > i
         new_kv, captured = [], {}
         for i, layer in enumerate(t.layers):
             a, m = layer.self_attn, layer.mlp
@@ -87,70 +90,73 @@ class DecodeStep(nn.Module):
             g = nh // kvh
             qkv = F.linear(layer.input_layernorm(x), self.qkv[i], a.qkv_bias)
             q, k, v = qkv.split([nh * d, kvh * d, kvh * d], dim=-1)
-            q, k, v = q.view(1, nh, d), k.view(1, kvh, d), v.view(1, kvh, d)
+            q, k, v = q.view(n, nh, d), k.view(n, kvh, d), v.view(n, kvh, d)
             if a.q_norm is not None and a.k_norm is not None:
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            new_kv.append(torch.stack([k[0], v[0]]))  # (2, kv_heads, d)
-            # attention in fp32: the past (masked) and the token itself, one softmax
-            qg = q.view(kvh, g, d).float() * d**-0.5  # (kv_heads, g, d)
-            keys, values = past[i, 0].float(), past[i, 1].float()  # (kv_heads, cap, d)
+            new_kv.append(torch.stack([k, v]))  # (2, T, kv_heads, d)
+            # attention in fp32: the past (masked to < pos) and the new tokens (causal), one softmax
+            qg = q.view(n, kvh, g, d).permute(1, 2, 0, 3).float() * d**-0.5  # (kvh, g, T, d)
+            kn = k.permute(1, 0, 2)[:, None].float()  # (kvh, 1, T, d)
+            vn = v.permute(1, 0, 2)[:, None].float()
+            keys, values = past[i, 0, :, None].float(), past[i, 1, :, None].float()  # (kvh,1,cap,d)
             s_past = torch.matmul(qg, keys.transpose(-1, -2)).masked_fill(hidden, float("-inf"))
-            s_self = (qg * k.view(kvh, 1, d).float()).sum(-1, keepdim=True)  # (kv_heads, g, 1)
-            p = torch.softmax(torch.cat([s_past, s_self], dim=-1), dim=-1)  # (kv_heads, g, cap+1)
-            o = torch.matmul(p[..., :cap], values) + p[..., cap:] * v.view(kvh, 1, d).float()
-            attn = F.linear(o.reshape(1, nh * d).to(x.dtype), a.o_proj.weight, a.o_proj.bias)
-            x = x + attn
+            s_new = torch.matmul(qg, kn.transpose(-1, -2)).masked_fill(ahead, float("-inf"))
+            p = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)  # (kvh, g, T, cap + T)
+            o = torch.matmul(p[..., :cap], values) + torch.matmul(p[..., cap:], vn)  # (kvh,g,T,d)
+            o = o.permute(2, 0, 1, 3).reshape(n, nh * d).to(x.dtype)
+            x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
             h = layer.post_attention_layernorm(x)
             gate, up = F.linear(h, self.gate_up[i], m.gate_up_bias).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias)
             if i in self.capture:
                 captured[i] = x
-        logits = F.linear(t.norm(x), t.lm_head.weight).float()  # (1, V)
+        logits = F.linear(t.norm(x), t.lm_head.weight).float()  # (T, V)
         features = torch.cat([captured[i] for i in self.capture], -1) if self.capture else None
-        return logits, torch.stack(new_kv), features  # (1, V), (layers, 2, kv_heads, d), (1, K·H)
+        # (T, V), (layers, 2, T, kv_heads, d), (T, K·H)
+        return logits, torch.stack(new_kv), features
+
+
+MAX_TOKENS = 64  # new tokens a compiled step takes (verification: k̂ ≤ 16); longer: eager
 
 
 class DecodeGraph:
-    """Compiled ``DecodeStep``s, one per set of captured layers (none for plain decoding; the
-    drafter's for speculative serving), compiled one after another in a background thread."""
+    """Compiled ``DecodeStep``s, compiled one after another in a background thread. A graph is
+    keyed by the layers it captures (none for plain decoding; the drafter's for speculative
+    serving) and by whether it takes one token (decode) or several (verification, T dynamic)."""
 
     def __init__(self, target: TargetModel) -> None:
         self.target = target
-        self.graphs: dict[tuple[int, ...], Callable[..., tuple]] = {}
-        self.failed: dict[tuple[int, ...], str] = {}
-        self.compile_s: dict[tuple[int, ...], float] = {}
-        self._asked: set[tuple[int, ...]] = set()
-        self._queue: queue.SimpleQueue[tuple[int, ...]] = queue.SimpleQueue()
+        self.graphs: dict[Key, Callable[..., tuple]] = {}
+        self.failed: dict[Key, str] = {}
+        self.compile_s: dict[Key, float] = {}
+        self._fns: dict[tuple[int, ...], Callable[..., tuple]] = {}
+        self._asked: set[Key] = set()
+        self._queue: queue.SimpleQueue[Key] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.steps = 0  # decode steps served compiled
+        self.steps = 0  # steps served compiled
+        self.tokens = 0  # their new tokens (more than steps: verification ran compiled)
 
-    def request(self, capture: tuple[int, ...] = (), background: bool = True) -> None:
-        """Compile the step that captures ``capture`` (once): in the background thread, or here
-        when ``background`` is False."""
-        capture = tuple(capture)
-        if capture in self._asked:
-            return
-        self._asked.add(capture)
-        if not background:
-            self._compile(capture)
-            return
-        self._queue.put(capture)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="decode-graph", daemon=True)
-            self._thread.start()
+    def request(
+        self, capture: tuple[int, ...] = (), multi: bool = False, background: bool = True
+    ) -> None:
+        """Compile the one-token step that captures ``capture`` and, with ``multi``, the
+        several-token one (once each): in the background thread, or here."""
+        keys = [(tuple(capture), False)] + ([(tuple(capture), True)] if multi else [])
+        for key in keys:
+            if key in self._asked:
+                continue
+            self._asked.add(key)
+            if not background:
+                self._compile(key)
+                continue
+            self._queue.put(key)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="decode-graph", daemon=True)
+                self._thread.start()
 
-    def ready(self, capture: tuple[int, ...] = ()) -> bool:
-        return tuple(capture) in self.graphs
-
-    def wait(self, capture: tuple[int, ...] = (), timeout: float = 600.0) -> bool:
-        """Block until ``capture``'s graph is compiled or failed (for benchmarks and tests)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if capture in self.graphs or capture in self.failed:
-                break
-            time.sleep(0.05)
-        return self.ready(capture)
+    def ready(self, capture: tuple[int, ...] = (), tokens: int = 1) -> bool:
+        return (tuple(capture), tokens > 1) in self.graphs and tokens <= MAX_TOKENS
 
     def status(self) -> str:
         """'ready', 'compiling', 'failed' or 'off' (for /metrics)."""
@@ -164,40 +170,47 @@ class DecodeGraph:
         while True:
             self._compile(self._queue.get())
 
-    def _compile(self, capture: tuple[int, ...]) -> None:
+    def _compile(self, key: Key) -> None:
         import torch._inductor.config as inductor
 
+        capture, multi = key
         t0 = time.perf_counter()
         try:
-            fn = torch.compile(DecodeStep(self.target, capture).eval(), fullgraph=True)
-            c = self.target.cfg
-            with inductor.patch(freezing=True, cpp_wrapper=self.target.device.type == "cpu"):
-                for cap in (24, 40):  # a second capacity checks that the dynamic dim holds
+            if capture not in self._fns:
+                step = DecodeStep(self.target, capture).eval()
+                self._fns[capture] = torch.compile(step, fullgraph=True)
+            fn = self._fns[capture]
+            c, dev = self.target.cfg, self.target.device
+            with inductor.patch(freezing=True, cpp_wrapper=dev.type == "cpu"):
+                # two capacities (and token counts) check that the dynamic dims hold
+                for cap, n in ((24, 3), (40, 5)) if multi else ((24, 1), (40, 1)):
                     with torch.inference_mode():  # an inference tensor, like the pool (KVCache)
                         past = torch.zeros(
                             (c.num_layers, 2, c.num_kv_heads, cap, c.head_dim),
                             dtype=self.target.dtype,
-                            device=self.target.device,
+                            device=dev,
                         )
+                    ids = torch.zeros(n, dtype=torch.long, device=dev)
                     torch._dynamo.mark_dynamic(past, 3)  # one graph for every capacity
+                    if multi:
+                        torch._dynamo.mark_dynamic(ids, 0)  # … and every token count ≥ 2
                     with torch.no_grad():  # as served (see ``step``)
-                        fn(torch.zeros(1, dtype=torch.long), torch.tensor([cap // 2]), past)
-            self.graphs[capture] = fn
-            self.compile_s[capture] = time.perf_counter() - t0
-            log.info(
-                "compiled the batch-1 decode step %s in %.1f s", capture, self.compile_s[capture]
-            )
+                        fn(ids, torch.tensor([cap // 2], device=dev), past)
+            self.graphs[key] = fn
+            self.compile_s[key] = time.perf_counter() - t0
+            log.info("compiled the single-request step %s in %.1f s", key, self.compile_s[key])
         except Exception as e:  # the eager step keeps serving
-            self.failed[capture] = f"{type(e).__name__}: {e}"
-            log.warning("compiling the decode step failed; the eager step serves: %s", e)
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            log.warning("compiling the single-request step failed; eager serves: %s", e)
 
     def step(
         self, ids: torch.Tensor, slot: int, cache: KVCache, capture: tuple[int, ...] = ()
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One token for ``slot``: writes its keys/values; returns logits (1, V) fp32 and the
-        captured features (1, K·H) or None."""
-        fn = self.graphs[tuple(capture)]
-        cache.reserve(slot, 1)
+        """The new tokens (T,) of ``slot``: writes their keys/values; returns logits (T, V)
+        fp32 and the captured features (T, K·H) or None."""
+        n = ids.shape[0]
+        fn = self.graphs[(tuple(capture), n > 1)]
+        cache.reserve(slot, n)
         row, pos = cache.row(slot), cache.length(slot)
         past = cache.data[row]  # (layers, 2, kv_heads, capacity, d) view
         # called as compiled: under no_grad, outside inference mode (in inference mode the
@@ -207,7 +220,8 @@ class DecodeGraph:
                 ids.to(self.target.device), torch.tensor([pos], device=self.target.device), past
             )
         with torch.inference_mode():  # the pool is an inference tensor
-            cache.data[row, :, :, :, pos] = new_kv
-        cache.advance(slot, 1)
+            cache.data[row, :, :, :, pos : pos + n] = new_kv.transpose(2, 3)
+        cache.advance(slot, n)
         self.steps += 1
+        self.tokens += n
         return logits, features

@@ -149,12 +149,15 @@ class TargetModel(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.decode_graph: DecodeGraph | None = None  # ``compile_decode``
 
-    def compile_decode(self, capture: tuple[int, ...] = (), background: bool = True) -> DecodeGraph:
-        """Serve batch-1 decode steps that capture ``capture`` through a compiled graph once it
-        is ready (the eager step serves until then, and if compiling fails)."""
+    def compile_decode(
+        self, capture: tuple[int, ...] = (), multi: bool = False, background: bool = True
+    ) -> DecodeGraph:
+        """Serve single-request steps that capture ``capture`` through compiled graphs once they
+        are ready — one token (decode) and, with ``multi``, several (verification) — the eager
+        step serves until then, and if compiling fails."""
         if self.decode_graph is None:
             self.decode_graph = DecodeGraph(self)
-        self.decode_graph.request(capture, background)
+        self.decode_graph.request(capture, multi, background)
         return self.decode_graph
 
     @property
@@ -200,11 +203,17 @@ class TargetModel(nn.Module):
         position), "last" (one row per request), "none", or a tensor of packed row indices.
         """
         graph = self.decode_graph
-        one_row = logits in ("last", "all") if isinstance(logits, str) else logits.tolist() == [0]
         if (
-            graph is not None and batch.lengths == (1,) and one_row and graph.ready(capture_layers)
-        ):  # one request, one token: the compiled step
+            graph is not None
+            and len(batch.lengths) == 1
+            and not (isinstance(logits, str) and logits == "none")
+            and graph.ready(capture_layers, batch.lengths[0])
+        ):  # one request: the compiled step
             out, feats = graph.step(batch.input_ids, batch.slots[0], cache, capture_layers)
+            if isinstance(logits, torch.Tensor):
+                out = out[logits.to(out.device)] if logits.numel() else None
+            elif logits == "last":
+                out = out[-1:]
             return TargetOutput(out, feats)
         ids = batch.input_ids.to(self.device)
         for slot, n in zip(batch.slots, batch.lengths, strict=True):

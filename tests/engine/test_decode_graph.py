@@ -23,7 +23,7 @@ def compiled(tiny):
     target = load_target(folder, "float32")
     drafter = random_drafter(target)
     graph = target.compile_decode((), background=False)
-    target.compile_decode(tuple(drafter.cfg.target_layer_ids), background=False)
+    target.compile_decode(tuple(drafter.cfg.target_layer_ids), multi=True, background=False)
     assert not graph.failed, graph.failed
     references = {tuple(p): p + hf_greedy(ref, p, NEW + 20) for p in PROMPTS}
     return target, drafter, references
@@ -43,13 +43,14 @@ def test_plain_engine_through_the_graph_matches_hf_generate(compiled):
 def test_speculative_engine_with_captured_features_stays_exact(compiled):
     target, drafter, references = compiled
     graph = target.decode_graph
-    before = graph.steps
+    before, tokens = graph.steps, graph.tokens
     cfg = EngineConfig(policy="cost", max_running_requests=1)
     engine = OracleEngine(target, drafter, cfg, continuation=from_references(references))
     results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     for prompt, res in zip(PROMPTS, results, strict=True):
         assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
-    assert graph.steps > before  # plain steps (k̂ = 0) ran compiled, capturing the context
+    assert graph.steps > before  # plain steps (k̂ = 0) ran compiled, capturing the context …
+    assert graph.tokens - tokens > graph.steps - before  # … and so did verification
 
 
 def test_graph_equals_the_eager_step_across_pool_growth(compiled):
@@ -99,9 +100,7 @@ def test_engine_asks_for_the_graph_only_when_configured(tiny, monkeypatch):
     folder, _, _ = tiny
     target = load_target(folder, "float32")
     asked: list[tuple[int, ...]] = []
-    monkeypatch.setattr(
-        DecodeGraph, "request", lambda self, capture=(), bg=True: asked.append(capture)
-    )
+    monkeypatch.setattr(DecodeGraph, "request", lambda self, capture, *a: asked.append(capture))
     Engine(target, None, EngineConfig(policy="ar"))
     assert asked == []
     Engine(target, None, EngineConfig(policy="ar", compile=True))
