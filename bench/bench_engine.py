@@ -7,7 +7,9 @@ accepted, so these rows measure the *cost* side of speculation. The ``+oracle`` 
 target's own greedy tokens as drafts (a stand-in for a perfect drafter, recorded by the ``ar``
 run) to show what the same runtime gains when drafts are accepted. Speed is reported as ratios to
 ``ar`` at the same concurrency, measured in the same run. ``verify_cost`` is the median time of
-one target pass adding n = 1, 4, 8, 16 tokens per request, as a ratio to a decode step (n = 1).
+one target pass adding n = 1, 4, 8, 16 tokens per request, as a ratio to a decode step (n = 1);
+with ``--compile`` it is measured again through the compiled single-request graphs
+(``models/decode_graph.py``, batch 1 only; the policy rows stay eager so they compare alike).
 
     python bench/bench_engine.py --out docs/results/engine/bench_engine.json
 """
@@ -71,6 +73,7 @@ class ReplayEngine(Engine):
 def verify_cost(
     target: TargetModel, batch: int, context: int, widths: list[int], reps: int
 ) -> list[dict]:
+    compiled = target.decode_graph is not None and batch == 1
     """Median seconds of one target pass that adds ``n`` tokens to each of ``batch`` requests
     with ``context`` tokens cached, for n in ``widths`` (n = 1 is a decode step)."""
     cache = target.new_cache()
@@ -88,7 +91,14 @@ def verify_cost(
             times.append(time.perf_counter() - t0)
             for s in slots:
                 cache.truncate(s, context)
-        out.append({"batch": batch, "tokens_per_request": n, "ms": 1e3 * statistics.median(times)})
+        out.append(
+            {
+                "batch": batch,
+                "tokens_per_request": n,
+                "compiled": compiled,
+                "ms": 1e3 * statistics.median(times),
+            }
+        )
     for row in out:
         row["ratio_to_decode"] = round(row["ms"] / out[0]["ms"], 3)
         row["ms"] = round(row["ms"], 2)
@@ -141,6 +151,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=15, help="passes per verify-cost cell")
+    ap.add_argument("--compile", action="store_true", help="verify cost compiled too (batch 1)")
     ap.add_argument("--note", default="", help="what else ran on the machine")
     ap.add_argument("--out", default="docs/results/engine/bench_engine.json")
     args = ap.parse_args()
@@ -206,9 +217,16 @@ def main() -> None:
         for c in args.concurrency
         for row in verify_cost(target, c, args.prompt_len, [1, 4, 8, 16], args.reps)
     ]
+    compile_s = {}
+    if args.compile:
+        graph = target.compile_decode((), multi=True, background=False)
+        assert graph.ready((), 16), graph.failed
+        compile_s = {"decode": graph.compile_s[((), False)], "verify": graph.compile_s[((), True)]}
+        costs += verify_cost(target, 1, args.prompt_len, [1, 4, 8, 16], args.reps)
     for row in costs:
         print(
-            f"verify cost C={row['batch']:<3} {row['tokens_per_request']:>2} tokens/request "
+            f"verify cost C={row['batch']:<3} compiled={row['compiled']!s:<5} "
+            f"{row['tokens_per_request']:>2} tokens/request "
             f"{row['ms']:7.1f} ms  x{row['ratio_to_decode']:.2f} of a decode step",
             flush=True,
         )
@@ -229,6 +247,7 @@ def main() -> None:
         "note": args.note,
         "rows": rows,
         "verify_cost": costs,
+        "compile_s": {k: round(v, 1) for k, v in compile_s.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
