@@ -47,6 +47,19 @@ def compile_enabled() -> bool:
     return os.environ.get("ADAFLASH_COMPILE", "1") != "0"
 
 
+def options(device: torch.device) -> dict[str, object]:
+    """Inductor settings: weights frozen (constants, prepacked), a C++ wrapper, and on a CPU
+    the GEMMs autotuned between ATen/oneDNN and inductor's own C++ micro-kernel template — the
+    template's AVX-512 GEMV measured ~1.8× faster than oneDNN's on all 120 per-layer projections
+    at batch 1 (``ADAFLASH_AUTOTUNE=0``: oneDNN only, a shorter compile)."""
+    opts: dict[str, object] = {"freezing": True}
+    if device.type == "cpu":
+        opts["cpp_wrapper"] = True
+        if os.environ.get("ADAFLASH_AUTOTUNE", "1") != "0":
+            opts |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    return opts
+
+
 class DecodeStep(nn.Module):
     """The target's step for one request and one token, written for the compiler. Shares the
     target's weights (fused q|k|v and gate|up where the target fused them)."""
@@ -181,7 +194,7 @@ class DecodeGraph:
                 self._fns[capture] = torch.compile(step, fullgraph=True)
             fn = self._fns[capture]
             c, dev = self.target.cfg, self.target.device
-            with inductor.patch(freezing=True, cpp_wrapper=dev.type == "cpu"):
+            with inductor.patch(options(dev)):
                 # two capacities (and token counts) check that the dynamic dims hold
                 for cap, n in ((24, 3), (40, 5)) if multi else ((24, 1), (40, 1)):
                     with torch.inference_mode():  # an inference tensor, like the pool (KVCache)
