@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from adaflash.models.layers import apply_rope
 
 if TYPE_CHECKING:
     from adaflash.models.kv_cache import KVCache
-    from adaflash.models.target import TargetModel
+    from adaflash.models.target import DecoderLayer, TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class DecodeStep(nn.Module):
         self.target, self.capture = target, capture
         self.qkv = nn.ParameterList()
         self.gate_up = nn.ParameterList()
-        for layer in target.layers:
+        for layer in cast("list[DecoderLayer]", target.layers):
             a, m = layer.self_attn, layer.mlp
             qkv = (
                 a.qkv
@@ -97,7 +97,7 @@ class DecodeStep(nn.Module):
         hidden = (torch.arange(cap, device=ids.device) >= pos)[None, None, None, :]  # past ≥ pos
         ahead = torch.ones(n, n, dtype=torch.bool, device=ids.device).triu(1)  # (T, T) j > i
         new_kv, captured = [], {}
-        for i, layer in enumerate(t.layers):
+        for i, layer in enumerate(cast("list[DecoderLayer]", t.layers)):
             a, m = layer.self_attn, layer.mlp
             nh, kvh, d = a.heads, a.kv_heads, a.head_dim
             g = nh // kvh

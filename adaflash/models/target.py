@@ -209,12 +209,12 @@ class TargetModel(nn.Module):
             and not (isinstance(logits, str) and logits == "none")
             and graph.ready(capture_layers, batch.lengths[0])
         ):  # one request: the compiled step
-            out, feats = graph.step(batch.input_ids, batch.slots[0], cache, capture_layers)
+            rows, feats = graph.step(batch.input_ids, batch.slots[0], cache, capture_layers)
             if isinstance(logits, torch.Tensor):
-                out = out[logits.to(out.device)] if logits.numel() else None
-            elif logits == "last":
-                out = out[-1:]
-            return TargetOutput(out, feats)
+                picked = rows[logits.to(rows.device)] if logits.numel() else None
+            else:
+                picked = rows[-1:] if logits == "last" else rows
+            return TargetOutput(picked, feats)
         ids = batch.input_ids.to(self.device)
         for slot, n in zip(batch.slots, batch.lengths, strict=True):
             cache.reserve(slot, n)
@@ -231,6 +231,7 @@ class TargetModel(nn.Module):
         features = (
             torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         )  # (T, K·H), in the order asked for
+        out: torch.Tensor | None
         if isinstance(logits, torch.Tensor):
             out = self.logits(x[logits.to(self.device)]) if logits.numel() else None
         elif logits == "all":

@@ -11,6 +11,7 @@ from functools import cache
 
 import torch
 
+from adaflash.cost_model import CostModel
 from adaflash.engine.engine import Engine
 from adaflash.engine.round import Propose
 from adaflash.models.target import PackedBatch, TargetModel
@@ -79,3 +80,20 @@ class OracleEngine(Engine):
             return out, k_hat
 
         return propose
+
+
+class PinnedCost(CostModel):
+    """Costs fixed by the test, not timed: which requests draft depends on their acceptance
+    profiles alone, so every run makes the same choices (the tiny model's real timings would
+    make drafting pay on one machine and never on another)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target.theta[:] = torch.tensor([0.040, 0.0001, 0.0])  # a step's base cost dominates
+        self.drafter.theta[:] = torch.tensor([0.004, 0.00001, 0.0])
+
+    def observe_target(self, tokens: int, requests: int, seconds: float) -> None:
+        pass
+
+    def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
+        pass

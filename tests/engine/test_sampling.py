@@ -12,12 +12,11 @@ import torch
 from scipy.stats import chisquare
 
 from adaflash.config import EngineConfig, SamplingParams
-from adaflash.cost_model import CostModel
 from adaflash.decoding.sampling import target_probs
 from adaflash.engine.engine import Engine
 from adaflash.models.target import PackedBatch
 from tests.engine.conftest import random_drafter
-from tests.engine.oracle import OracleEngine, greedy_continuation
+from tests.engine.oracle import OracleEngine, PinnedCost, greedy_continuation
 
 PROMPT = [7, 8, 9, 10]
 N_TOKENS = 4
@@ -63,23 +62,6 @@ def chi_square_p(samples: list[tuple[int, ...]], joint: dict[tuple[int, ...], fl
         exp.append(rest_e)
     scale = sum(obs) / sum(exp)
     return float(chisquare(obs, [e * scale for e in exp]).pvalue)
-
-
-class PinnedCost(CostModel):
-    """Costs fixed by the test, not timed: which requests draft depends on their acceptance
-    profiles alone, so every run makes the same choices (the tiny model's real timings would
-    make drafting pay on one machine and never on another)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.target.theta[:] = torch.tensor([0.040, 0.0001, 0.0])  # a step's base cost dominates
-        self.drafter.theta[:] = torch.tensor([0.004, 0.00001, 0.0])
-
-    def observe_target(self, tokens: int, requests: int, seconds: float) -> None:
-        pass
-
-    def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
-        pass
 
 
 def spec_samples(engine, temperature, top_k, top_p) -> list[tuple[int, ...]]:
