@@ -7,6 +7,7 @@ import torch
 
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
+from adaflash.models import decode_graph
 from adaflash.models.decode_graph import DecodeGraph
 from adaflash.models.target import PackedBatch, load_target
 from tests.engine.conftest import random_drafter
@@ -40,8 +41,9 @@ def test_plain_engine_through_the_graph_matches_hf_generate(compiled):
     assert graph.steps - before >= len(PROMPTS) * (NEW - 1)  # one request at a time: compiled
 
 
-def test_speculative_engine_with_captured_features_stays_exact(compiled):
+def test_speculative_engine_with_captured_features_stays_exact(compiled, monkeypatch):
     target, drafter, references = compiled
+    monkeypatch.setattr(decode_graph, "MAX_TOKENS", 16)  # every verification width compiled
     graph = target.decode_graph
     before, tokens = graph.steps, graph.tokens
     cfg = EngineConfig(policy="cost", max_running_requests=1)
