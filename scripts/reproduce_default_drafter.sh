@@ -7,9 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-assets/drafters/smollm2-135m-dflash}
-RUNS=${RUNS:-2}
+# The shipped drafter: runs 1–2 (38 + 22 min) saw 606 code trajectories (that session's data
+# job was cut short), run 3 (42 min, lr 6.4e-4) the full 1,200 with the same chat set.
+RUNS=${RUNS:-3}
 RUN_MINUTES=${RUN_MINUTES:-45}
-CODE_PROMPTS=${CODE_PROMPTS:-1500}
+CODE_PROMPTS=${CODE_PROMPTS:-1200}
 D=data/traj
 
 ./dev.sh pull smollm2
