@@ -195,7 +195,10 @@ def main() -> None:
     texts = [p.prompt for p in load_prompts("chat", "eval")]
     compile_s: dict[str, float] = {}
     if not args.no_compile:  # what `serve` compiles in the background, here before timing
-        graphs = [()] + ([tuple(drafter.cfg.target_layer_ids)] if drafter is not None else [])
+        speculative = not args.engines or {"adaflash-head", "adaflash-cost"} & set(args.engines)
+        graphs = [()] + (
+            [tuple(drafter.cfg.target_layer_ids)] if drafter is not None and speculative else []
+        )
         for capture in graphs:  # the drafter's: decode and verification graphs
             graph = target.compile_decode(capture, multi=bool(capture), background=False)
             assert graph.ready(capture), graph.failed
