@@ -352,7 +352,7 @@ class EngineConfig:
     max_context: int | None = None  # defaults to the target's max_position_embeddings
     dtype: str = "float32"
     num_threads: int | None = None
-    # batch-1 decode steps through a compiled graph (models/decode_graph.py), compiled in the
+    # single-request steps through compiled graphs (models/decode_graph.py), compiled in the
     # background; ADAFLASH_COMPILE=0 switches it off whatever this says
     compile: bool = False
 

@@ -1,21 +1,23 @@
-"""A batch-1 decode step as one compiled graph: inductor, weights frozen, a C++ wrapper.
+"""A single request's target step as one compiled graph: inductor, weights frozen, a C++ wrapper.
 
 At batch 1 a decode step is 121 GEMVs with ~2,500 small PyTorch ops around them, and on a CPU
 the ops between the GEMVs cost about as much as the GEMVs (measured on this project's machine,
 2 threads: 25.7 ms a step, 13.6 of them GEMVs). Compiled, the step runs as generated C++ with
-fused elementwise kernels and prepacked weights, and no Python between ops.
+fused elementwise kernels and prepacked weights, no Python between ops, and GEMMs autotuned
+against inductor's own C++ GEMV template (12.7 ms a step, docs/results/engine/).
 
-The graph reads one request's past keys/values straight from its KV-pool row — a block
+The graph reads the request's past keys/values straight from its KV-pool row — a block
 ``(layers, 2, kv_heads, capacity, d)`` whose strides depend only on the capacity, marked dynamic,
-so one compile serves every capacity — and returns the new token's keys/values for the caller to
-write. Attention splits in two under one softmax: the past (positions < pos) and the token itself.
-Same math as ``TargetModel.forward``; the fp32 exactness tests run it against HF ``generate``.
+so one compile serves every capacity — and returns the new tokens' keys/values for the caller to
+write. Attention splits in two under one softmax: the past (positions < pos) and the new tokens
+(causal among them). Same math as ``TargetModel.forward``; the fp32 exactness tests run it
+against HF ``generate``.
 
-One graph per set of captured layers: none for plain decoding, the drafter's for speculative
-serving (its plain steps keep the drafter's context). Compiling one takes about 70 s on this CPU
-(once per process; inductor's on-disk cache shortens later starts) in a background thread:
-until it is ready, and wherever it fails, the eager step serves. ``ADAFLASH_COMPILE=0`` or
-``--no-compile`` switches it off.
+Graphs are keyed by the captured layers — none for plain decoding, the drafter's for speculative
+serving (its plain steps keep the drafter's context) — and by one token (decode) or a few
+(verification, up to ``MAX_TOKENS``, the count dynamic). Compiling one took 83–134 s here, in a
+background thread: until it is ready, and wherever it fails, the eager step serves.
+``ADAFLASH_COMPILE=0`` or ``serve --no-compile`` switches it off.
 """
 
 from __future__ import annotations
