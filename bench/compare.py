@@ -66,12 +66,12 @@ from adaflash.engine.round import Propose, draft_tokens
 from adaflash.metrics import speedup
 from adaflash.models.drafter import DFlashDrafter, load_drafter
 from adaflash.models.target import TargetModel, load_target
+from adaflash.paths import REPO, repo_relative
 from adaflash.pull import resolve_target
 from adaflash.tokenizer import Tokenizer
 from adaflash.workloads import Trajectory, load_prompts
 from lightning_modules.train import fit
 
-REPO = Path(__file__).resolve().parent.parent
 SPEC_METHODS = ("dflash", "osd", "adaflash", "oracle")
 STUDIES = ("paper", "policies", "both")
 POLICY_DRAFTERS = ("shipped", "weak", "oracle")
@@ -978,7 +978,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "bench/compare.py",
-        "args": vars(args),
+        "args": {**vars(args), "drafter": repo_relative(args.drafter)},
         "note": args.note,
         "rows": rows,
         "adaptation_curves": curves,

@@ -38,6 +38,7 @@ from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import QueueSink
 from adaflash.models.target import TargetModel, load_target
+from adaflash.paths import REPO, repo_relative
 from adaflash.pull import resolve_target
 from adaflash.tokenizer import Tokenizer
 from adaflash.workloads import load_prompts
@@ -46,8 +47,6 @@ from db.buffer import BufferWriter
 from db.registry import Registry
 from db.runs import list_runs
 from db.session import make_engine, migrate
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def measure(
@@ -230,7 +229,6 @@ def run_arm(
         writer.stop(30)
     return {
         "loss": loss,
-        "workdir": str(work),
         "versions": versions,
         "queue_dropped": sink.dropped,
         "swaps": watcher.swapped,
@@ -305,7 +303,7 @@ def main() -> None:
     }
     result = {
         "benchmark": "bench/demo_adapt.py",
-        "args": vars(args),
+        "args": {**vars(args), "drafter": repo_relative(args.drafter)},
         "machine": {"platform": platform.platform(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "ar": measure_ar(target, tok, eval_prompts, args),

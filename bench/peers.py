@@ -42,19 +42,12 @@ from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.models.drafter import load_drafter
 from adaflash.models.target import TargetModel, load_target
+from adaflash.paths import repo_relative
 from adaflash.pull import resolve_target
 from adaflash.tokenizer import Tokenizer
 from adaflash.workloads import load_prompts
 
-REPO = Path(__file__).resolve().parent.parent
-
 Run = Callable[[list[list[int]], int], tuple[float, float]]  # → (tok/s, ms per decode step)
-
-
-def repo_relative(path: str | Path) -> str:
-    """A path inside the repository as relative to it (result files name no machine's paths)."""
-    p = Path(path).resolve()
-    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(path)
 
 
 def adaflash_runner(target: TargetModel, drafter, policy: str, compiled: bool = True) -> Run:  # type: ignore[no-untyped-def]
