@@ -2,8 +2,7 @@
 
 Numerics follow Hugging Face's Llama/Qwen3 modeling code so that fp32 logits match within 1e-4:
 RMSNorm computes in fp32 and casts back before the weight multiply; RoPE tables are computed in
-fp32 and cast to the activation dtype; rotation is the ``rotate_half`` convention (computed as a
-roll and a sign folded into the sine table: the same products, bit for bit, in fewer ops).
+fp32 and cast to the activation dtype; rotation is the ``rotate_half`` convention.
 """
 
 from __future__ import annotations
@@ -130,13 +129,10 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions (N,) → cos, ±sin each (N, head_dim) in ``dtype``; ±sin is the sine with
-        its first half negated (``rotate_half``'s sign, for ``apply_rope``)."""
+        """positions (N,) → cos, sin each (N, head_dim) in ``dtype``."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, head_dim/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (N, head_dim)
-        sin = emb.sin()
-        sin[:, : sin.shape[1] // 2].neg_()
-        return emb.cos().to(dtype), sin.to(dtype)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -153,12 +149,14 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x (N, heads, head_dim); cos, ±sin (N, head_dim) from ``Rotary``.
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
-    HF's x·cos + rotate_half(x)·sin, where rotate_half(x) = [−x₂, x₁] = roll(x)·[−1, +1]: the
-    sign rides on the sine table, so each product is the same float, bit for bit."""
-    return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * signed_sin[:, None, :]
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, heads, head_dim); cos/sin (N, head_dim)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
 @dataclass(frozen=True)

@@ -100,16 +100,12 @@ class Attention(nn.Module):
             q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        v = v.reshape(t, self.kv_heads, d)  # (T, kv_heads, d)
+        q = q.reshape(t, self.heads, d)  # (T, heads, d)
+        k = k.reshape(t, self.kv_heads, d)  # (T, kv_heads, d)
+        v = v.reshape(t, self.kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope(self.q_norm(q.reshape(t, self.heads, d)), cos, sin)  # (T, heads, d)
-            k = apply_rope(self.k_norm(k.reshape(t, self.kv_heads, d)), cos, sin)
-        elif self.qkv is not None:  # q|k are adjacent in the fused output: one rotation
-            qk = apply_rope(qkv[:, : (self.heads + self.kv_heads) * d].reshape(t, -1, d), cos, sin)
-            q, k = qk.split([self.heads, self.kv_heads], dim=1)  # (T, heads | kv_heads, d)
-        else:
-            q = apply_rope(q.reshape(t, self.heads, d), cos, sin)
-            k = apply_rope(k.reshape(t, self.kv_heads, d), cos, sin)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(attend_packed(q, k, v, cache, layer, plan))  # (T, H)
 
 
