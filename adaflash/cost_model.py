@@ -8,10 +8,17 @@ Each is a linear model fitted by recursive least squares with exponential forget
 every real step, so it follows the machine as it is: another process sharing the cores, a
 different thread count, a longer context. Nothing is hard-coded beyond a weak starting guess that
 the first steps overwrite.
+
+A target pass of one request with few tokens is not on that line: it may run on a compiled graph
+(``models/decode_graph.py``: one token, or up to 4 verified tokens) at a fraction of the eager
+cost, and one more token can cross from the graph to the eager path. Those passes get a table
+instead, one running mean per token count; a count never measured is interpolated between its
+measured neighbours (above the largest, the line, but never below that largest's cost).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +45,10 @@ class RecursiveLeastSquares:
         self.seen += 1
 
 
+ONE_REQUEST_MAX = 32  # one-request passes up to this many tokens have their own table entry
+ONE_REQUEST_RATE = 0.1  # weight of a new measurement in a table entry's running mean
+
+
 @dataclass
 class CostModel:
     """Seconds per target pass and per drafter pass, learned from the engine's own steps."""
@@ -49,8 +60,17 @@ class CostModel:
     drafter: RecursiveLeastSquares = field(
         default_factory=lambda: RecursiveLeastSquares([0.01, 0.002, 0.0001])
     )
+    one_request: dict[int, float] = field(default_factory=dict)  # tokens → seconds
+    target_passes: int = 0  # every target pass observed (line and table)
 
     def observe_target(self, tokens: int, requests: int, seconds: float) -> None:
+        self.target_passes += 1
+        if requests == 1 and tokens <= ONE_REQUEST_MAX:
+            old = self.one_request.get(tokens)
+            self.one_request[tokens] = (
+                seconds if old is None else old + ONE_REQUEST_RATE * (seconds - old)
+            )
+            return
         self.target.update([1.0, float(tokens), float(requests)], seconds)
 
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
@@ -58,7 +78,21 @@ class CostModel:
 
     def target_s(self, tokens: int, requests: int) -> float:
         """Predicted seconds of a target pass (never below a microsecond)."""
-        return max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
+        line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
+        if requests != 1 or tokens > ONE_REQUEST_MAX or not self.one_request:
+            return line
+        table = self.one_request
+        if tokens in table:
+            return table[tokens]
+        known = sorted(table)
+        i = bisect_left(known, tokens)
+        if i == len(known):  # above every measured count: the line, at least the largest's cost
+            return max(line, table[known[-1]])
+        hi = known[i]
+        if i == 0:
+            return min(line, table[hi])
+        lo = known[i - 1]
+        return table[lo] + (table[hi] - table[lo]) * (tokens - lo) / (hi - lo)
 
     def drafter_s(self, requests: int, context: int = 0) -> float:
         """Predicted seconds of a drafter pass for ``requests`` that bring ``context`` new
@@ -78,6 +112,7 @@ class CostModel:
             "drafter_base_ms": 1e3 * d,
             "drafter_per_request_ms": 1e3 * e,
             "drafter_per_context_token_ms": 1e3 * f,
-            "target_steps_seen": float(self.target.seen),
+            **{f"target_1req_{n}tok_ms": 1e3 * t for n, t in sorted(self.one_request.items())},
+            "target_steps_seen": float(self.target_passes),
             "drafter_steps_seen": float(self.drafter.seen),
         }

@@ -144,3 +144,30 @@ def test_short_lived_requests_still_probe_and_a_good_drafter_is_noticed():
         drafted.append(bool(chosen))
     assert probes >= 1
     assert all(drafted[-10:])  # noticed: every request drafts, no probe needed
+
+
+def test_one_request_passes_get_their_own_costs_and_the_policy_stays_on_the_cheap_side():
+    """A compiled graph makes a one-request pass of ≤ 4 tokens cheap and the fifth token costs
+    the eager path: the table sees the jump that one line through all passes would smear."""
+    k = 8
+    cost = CostModel()
+    one = {1: 0.012, 2: 0.014, 3: 0.015, 4: 0.016, 8: 0.045}  # compiled up to 4, eager beyond
+    for _ in range(30):
+        for n, t in one.items():
+            cost.observe_target(n, 1, t)
+        for reqs in (2, 4, 8):  # batched passes: eager, on a line
+            cost.observe_target(reqs, reqs, 0.030 + 0.002 * reqs)
+        cost.observe_drafter(1, 0.004)
+    assert abs(cost.target_s(4, 1) - 0.016) < 1e-6
+    assert abs(cost.target_s(6, 1) - (0.016 + 0.029 / 2)) < 1e-6  # between the measured 4 and 8
+    assert cost.target_s(12, 1) >= 0.045  # above the largest measured: never cheaper than it
+    assert abs(cost.target_s(4, 4) - 0.038) < 2e-3  # batched passes still on their line
+    assert cost.snapshot()["target_1req_4tok_ms"] == 16.0
+    policy = CostPolicy(k)
+    r = req(0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):  # each slot accepted 70% of the time, up to the first miss
+        policy.observe(r, k, int((torch.rand(k - 1, generator=g) < 0.7).cumprod(0).sum()), k)
+    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
+    assert policy.drafters([r], ctx) == [r]
+    assert int(policy.widths([r], None, ctx)[0]) == 4  # the widest compiled width, not eager
