@@ -3,7 +3,8 @@ server's resident memory (RSS, from /proc) is sampled; writes the curve and a ve
 
 Memory is "flat" when, after the warm-up, RSS stays within ``--tolerance`` (default 5%) of its
 value at the end of the warm-up. The server runs in its own process (the load generator's memory
-is not counted), with the embedded default models unless --target/--drafter say otherwise.
+is not counted), with the embedded default models unless --target/--drafter say otherwise. The
+load starts once the server's background compile has ended (its time is `compile_wait_s`).
 
     python bench/soak.py --minutes 5 --concurrency 32 --out docs/results/soak/soak.json
 """
@@ -72,6 +73,18 @@ async def client(url: str, i: int, stop_at: float, stats: dict[str, int]) -> Non
                 stats["requests"] += 1
             except httpx.HTTPError:
                 stats["errors"] += 1
+
+
+def wait_compiled(url: str, timeout: float = 1800) -> float:
+    """Wait until the server's background compile has ended (ready, failed or off), so that the
+    curve measures serving and not the compiler; returns the seconds waited."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        if 'adaflash_compiled_decode{status="compiling"}' not in text:
+            return round(time.time() - t0, 1)
+        time.sleep(2)
+    raise SystemExit(f"the server was still compiling after {timeout:.0f} s")
 
 
 async def sample(pid: int, every: float, stop_at: float, t0: float, out: list) -> None:
@@ -146,6 +159,7 @@ def main() -> None:
                 time.sleep(0.5)
         else:
             raise SystemExit(f"server did not start; see {data / 'server.log'}")
+        compile_s = wait_compiled(url)
         started = rss_mb(proc.pid)
         result = asyncio.run(soak(url, proc.pid, args))
     finally:
@@ -154,6 +168,7 @@ def main() -> None:
     out = {
         "benchmark": "bench/soak.py",
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "note")},
+        "compile_wait_s": compile_s,
         "rss_idle_mb": round(started, 1),
         **result,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
