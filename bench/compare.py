@@ -28,12 +28,20 @@ adaptation; the engine's verify-width policies, each with three drafters.
   greedy continuation, at the shipped drafter's cost; its ``oracle-len`` row would repeat
   ``head``/``cost`` at full acceptance and is skipped)
 
-Every run is a fresh engine (cold cost model and acceptance profiles). Each (domain, C) cell runs
-its methods ``--repeats`` times, interleaved (rep 1: ar, hf, head, cost, …; rep 2: …), so slow
-phases of a shared machine hit every method alike. A row keeps the median, min and max tokens/s;
-``speedup`` = median ÷ median ``ar`` of the cell, and ``speedup_min``/``speedup_max`` are the
-worst and best pairings (min ÷ max ``ar``, max ÷ min ``ar``). ``table.md`` ends with pass/fail
-criteria computed from the rows (``criteria``). ``--study both`` runs both studies.
+The drafters run in ``--dtype`` as `serve` runs them, and the target's one-request steps run on
+the compiled graphs `serve` builds (``models/decode_graph.py``: plain decode with and without the
+drafter's captured layers, verification of up to 4 tokens), compiled before any cell and timed
+apart (``compile_s``); ``--no-compile`` measures the eager steps instead.
+
+Every run is a fresh engine, but its cost model and its policy's engine-wide acceptance profile
+carry over between the runs of the same (drafter, method, concurrency), across repeats and
+domains, as in a server that has been up for a while (``--cold``: every run starts cold). Each
+(domain, C) cell runs its methods ``--repeats`` times, interleaved (rep 1: ar, hf, head, cost, …;
+rep 2: …), so slow phases of a shared machine hit every method alike. A row keeps the median,
+min and max tokens/s; ``speedup`` = median ÷ median ``ar`` of the cell, and
+``speedup_min``/``speedup_max`` are the worst and best pairings (min ÷ max ``ar``, max ÷ min
+``ar``). ``table.md`` ends with pass/fail criteria computed from the rows (``criteria``).
+``--study both`` runs both studies.
 
     python bench/compare.py --quick                    # smoke check, < 10 min
     python bench/compare.py --out docs/results/compare # the full run (hours on 2 CPU cores)
@@ -50,7 +58,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +66,7 @@ import torch
 
 from adaflash.cli import DEFAULT_DRAFTER, encode_prompt
 from adaflash.config import DistillConfig, EngineConfig, Policy, SamplingParams
+from adaflash.cost_model import CostModel
 from adaflash.distill import simulate_acceptance
 from adaflash.engine import policy as policies
 from adaflash.engine.engine import Engine
@@ -151,6 +160,10 @@ class Setup:
     eos: list[int]
     params: SamplingParams
     args: argparse.Namespace
+    # (drafter, method, concurrency) → the cost model and policy its runs share (not --cold)
+    warm: dict[tuple[str | None, str, int], tuple[CostModel, policies.Policy]] = field(
+        default_factory=dict
+    )
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -376,6 +389,9 @@ def run_method(
         engine = OracleLengthEngine(s.target, d, cfg, eos_token_ids=eos, references=ar_ref)
     else:
         engine = Engine(s.target, d, cfg, eos_token_ids=eos)
+    if not s.args.cold:  # warm: what this method learned in its earlier runs at this C
+        state = s.warm.setdefault((name, method, c), (engine.cost, engine._policy))
+        engine.cost, engine._policy = state
     return run_engine(engine, prompts, s.params)
 
 
@@ -386,12 +402,19 @@ def policy_cell(
     ar_ref: Refs,
     drafters: dict[str, DFlashDrafter],
 ) -> dict[Key, list[dict]]:
-    """Every method of one (domain, C) cell, ``--repeats`` times, interleaved."""
+    """Every method of one (domain, C) cell, ``--repeats`` times, interleaved.
+
+    The oracles' answer key is the cell's own ``ar`` output: in bf16 a batch-16 eager reference
+    and a batch-1 compiled step can round a near-tie differently, and an oracle drafter that
+    follows a continuation the target no longer produces stops being an oracle."""
     plan = policy_plan(list(drafters), with_hf=not s.args.no_hf)
     runs: dict[Key, list[dict]] = {key: [] for key in plan}
     for _ in range(s.args.repeats):
         for key in plan:
-            runs[key].append(run_method(s, key, prompts, c, ar_ref, drafters))
+            run = run_method(s, key, prompts, c, ar_ref, drafters)
+            runs[key].append(run)
+            if key == (None, "ar"):  # the answer key as this C computes it (see below)
+                ar_ref = {**ar_ref, **run["_outputs"]}
     return runs
 
 
@@ -458,6 +481,19 @@ def policy_domain(
             print_policy_row(row)
             rows.append(row)
     return rows
+
+
+def compile_graphs(target: TargetModel, drafter: DFlashDrafter) -> dict[str, float]:
+    """The compiled one-request graphs `serve` builds in the background, built here before any
+    cell is timed: plain decoding, and decode + verification capturing the drafter's layers."""
+    for capture in ((), tuple(drafter.cfg.target_layer_ids)):
+        graph = target.compile_decode(capture, multi=bool(capture), background=False)
+        if not graph.ready(capture):
+            raise SystemExit(f"compiling the decode step failed: {graph.failed}")
+    return {
+        f"{list(c)}{' verify' if multi else ''}": round(t, 1)
+        for (c, multi), t in graph.compile_s.items()
+    }
 
 
 def warm_up(s: Setup, prompts: list[list[int]], drafters: dict[str, DFlashDrafter]) -> None:
@@ -916,6 +952,14 @@ def parse_args() -> argparse.Namespace:
         help="policy study: leave out HF generate (bench/peers.py has it)",
     )
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--no-compile", action="store_true", help="policy study: eager one-request steps"
+    )
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="policy study: no cost model or acceptance profile carried between runs",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--note", default="", help="free text stored with the results")
     ap.add_argument(
@@ -959,7 +1003,10 @@ def main() -> None:
         args.study in ("paper", "both"),
         args.study in ("policies", "both"),
     )
-    drafters = {"shipped": shipped, "weak": weak_drafter(shipped, args.seed), "oracle": shipped}
+    served = copy.deepcopy(shipped).to(getattr(torch, args.dtype)).eval()  # as serve runs it
+    weak = weak_drafter(shipped, args.seed).to(served.dtype)
+    drafters = {"shipped": served, "weak": weak, "oracle": served}
+    compile_s = compile_graphs(target, served) if study_policies and not args.no_compile else {}
     rows: list[dict] = []
     curves: dict[str, list[float]] = {}
     for i, domain in enumerate(args.domains):
@@ -982,6 +1029,7 @@ def main() -> None:
         "note": args.note,
         "rows": rows,
         "adaptation_curves": curves,
+        "compile_s": compile_s,
         "minutes": round((time.time() - t_start) / 60, 1),
         "machine": {
             "platform": platform.platform(),

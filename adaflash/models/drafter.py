@@ -26,6 +26,7 @@ from adaflash.models.batch_attention import gqa_attend
 from adaflash.models.checkpoint import load_tensors, resolve_dtype, save_tensors
 from adaflash.models.layers import (
     Mask,
+    Packed,
     Projection,
     RMSNorm,
     Rotary,
@@ -176,7 +177,7 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None = None  # (V_d,) target ids; None = all of them
         self.draft_vocab_info: dict[str, Any] = {}
         self._head: (
-            tuple[tuple[int, torch.dtype, torch.device], torch.Tensor, torch.Tensor | None] | None
+            tuple[tuple[int, torch.dtype, torch.device], torch.Tensor, Packed | None] | None
         ) = None
 
     @property
@@ -202,7 +203,7 @@ class DFlashDrafter(nn.Module):
         """The rows of the target's LM head this drafter scores: (V_d, H), kept between calls."""
         return self._draft_head(lm_head_weight)[0]
 
-    def _draft_head(self, lm_head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draft_head(self, lm_head_weight: torch.Tensor) -> tuple[torch.Tensor, Packed | None]:
         key = (lm_head_weight.data_ptr(), lm_head_weight.dtype, lm_head_weight.device)
         if self._head is None or self._head[0] != key:
             # a plain (non-inference) tensor: training saves it for the backward pass
@@ -211,7 +212,7 @@ class DFlashDrafter(nn.Module):
                     head = lm_head_weight
                 else:
                     head = lm_head_weight[self.draft_vocab.to(lm_head_weight.device)].clone()
-            self._head = (key, head, None if self.training else pack(head))
+            self._head = (key, head, None if self.training else pack(head, rows_scale=2))
         return self._head[1], self._head[2]
 
     def draft_logits(self, states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
@@ -264,9 +265,8 @@ class DFlashDrafter(nn.Module):
         for layer in self.drafter_layers:
             layer.mlp.fuse()
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                m = getattr(layer.self_attn, proj)
-                m.packed = pack(m.weight)
-        self.fc.packed = pack(self.fc.weight)
+                getattr(layer.self_attn, proj).pack_weight()
+        self.fc.pack_weight()
         self._head = None  # the draft head gets packed with the new dtype
 
     def forward(

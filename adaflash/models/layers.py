@@ -31,43 +31,88 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's prepacked (blocked) layout of a bf16 weight — what inductor's weight freezing
-    uses — or None where it does not apply (not bf16 on a CPU, oneDNN missing, or switched off
-    with ``ADAFLASH_PACKED_WEIGHTS=0``). Same results bit for bit; measured ~2× faster than
-    ``F.linear`` for decode-sized inputs on this project's CPU (docs/results/engine/)."""
-    if (
-        weight.device.type != "cpu"
-        or weight.dtype != torch.bfloat16
-        or os.environ.get("ADAFLASH_PACKED_WEIGHTS", "1") == "0"
-        or not torch.backends.mkldnn.is_available()
-    ):
-        return None
+@functools.cache
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Without it, oneDNN's bf16
+    GEMM costs about a GEMV per row: 16 rows cost ~4× what fp32 weights cost on the same CPU
+    (``bench/gemm_dtypes.py``, docs/results/engine/gemm_dtypes.json). Unknown → assume native."""
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-    except (RuntimeError, AttributeError):
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return True
+    lines = [ln for ln in text.splitlines() if ln.startswith("flags")]
+    flags = set(lines[0].split(":", 1)[1].split()) if lines else set()
+    return bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+def fp32_rows() -> int:
+    """Inputs with at least this many rows go through fp32 copies of bf16 weights (0: never).
+    ``ADAFLASH_FP32_ROWS`` overrides; by default 4 where the CPU lacks native bf16 (the
+    measured crossover), else never."""
+    raw = os.environ.get("ADAFLASH_FP32_ROWS")
+    if raw is not None:
+        return max(int(raw), 0)
+    return 0 if native_bf16() else 4
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Inference copies of one bf16 weight: oneDNN's blocked layout (what inductor's freezing
+    uses; bit-identical to ``F.linear``) for few rows, and an fp32 copy for ``min_rows`` rows and
+    more where that is faster (no native bf16): more memory, several times less time."""
+
+    onednn: torch.Tensor | None
+    fp32: torch.Tensor | None = None
+    fp32_bias: torch.Tensor | None = None
+    min_rows: int = 0
+
+
+def pack(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, rows_scale: int = 1
+) -> Packed | None:
+    """The ``Packed`` copies of a bf16 CPU weight, or None where none applies (not bf16 on a
+    CPU, or switched off: ``ADAFLASH_PACKED_WEIGHTS=0`` for the oneDNN layout,
+    ``ADAFLASH_FP32_ROWS=0`` for the fp32 copy). ``rows_scale`` moves the fp32 crossover for
+    memory-bound shapes (the LM head: ×2)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
+    onednn = None
+    use_onednn = os.environ.get("ADAFLASH_PACKED_WEIGHTS", "1") != "0"
+    if use_onednn and torch.backends.mkldnn.is_available():
+        try:
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        except (RuntimeError, AttributeError):
+            onednn = None
+    rows = fp32_rows() * rows_scale
+    if rows == 0:
+        return Packed(onednn) if onednn is not None else None
+    fp32_bias = None if bias is None else bias.detach().float()
+    return Packed(onednn, weight.detach().float(), fp32_bias, rows)
 
 
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    packed: Packed | None = None,
 ) -> torch.Tensor:
-    """``F.linear``, through the packed weight when there is one."""
+    """``F.linear``, through the fastest ``Packed`` copy for this many rows."""
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if packed.fp32 is not None and x.numel() >= packed.min_rows * x.shape[-1]:
+            return F.linear(x.float(), packed.fp32, packed.fp32_bias).to(x.dtype)
+        if packed.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 class Projection(nn.Linear):
     """A bias-optional Linear that can pack its weight for inference (``pack_weight``)."""
 
-    packed: torch.Tensor | None = None
+    packed: Packed | None = None
 
-    def pack_weight(self) -> None:
-        self.packed = pack(self.weight)
+    def pack_weight(self, rows_scale: int = 1) -> None:
+        self.packed = pack(self.weight, self.bias, rows_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
@@ -98,14 +143,14 @@ class SwiGLU(nn.Module):
         self.down_proj = Projection(intermediate, hidden, bias=bias)
         self.gate_up: torch.Tensor | None = None  # fused for inference (``fuse``)
         self.gate_up_bias: torch.Tensor | None = None
-        self.gate_up_packed: torch.Tensor | None = None
+        self.gate_up_packed: Packed | None = None
 
     def fuse(self) -> None:
         """Inference: gate|up in one (packed) projection, down packed too."""
         self.gate_up = fuse_rows(self.gate_proj, self.up_proj)
         if self.gate_proj.bias is not None:
             self.gate_up_bias = fuse_bias(self.gate_proj, self.up_proj)
-        self.gate_up_packed = pack(self.gate_up)
+        self.gate_up_packed = pack(self.gate_up, self.gate_up_bias)
         self.down_proj.pack_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from adaflash.models.checkpoint import load_tensors, resolve_dtype
 from adaflash.models.decode_graph import DecodeGraph
 from adaflash.models.kv_cache import KVCache
 from adaflash.models.layers import (
+    Packed,
     Projection,
     RMSNorm,
     Rotary,
@@ -74,7 +75,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv: torch.Tensor | None = None  # fused q|k|v weight (``fuse``)
         self.qkv_bias: torch.Tensor | None = None
-        self.qkv_packed: torch.Tensor | None = None
+        self.qkv_packed: Packed | None = None
 
     def fuse(self) -> None:
         """One projection instead of three (q, k and v weights become views of one tensor),
@@ -82,7 +83,7 @@ class Attention(nn.Module):
         self.qkv = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
         if self.q_proj.bias is not None:
             self.qkv_bias = fuse_bias(self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_packed = pack(self.qkv)
+        self.qkv_packed = pack(self.qkv, self.qkv_bias)
         self.o_proj.pack_weight()
 
     def forward(
@@ -177,7 +178,7 @@ class TargetModel(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        self.lm_head.pack_weight()
+        self.lm_head.pack_weight(rows_scale=2)  # memory-bound: bf16 wins up to more rows
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: (N, H) → (N, V) float32."""

@@ -103,6 +103,7 @@ def test_flash_attn_matches_sdpa_on_gpu():
 def test_packed_weights_give_the_same_bf16_results_and_can_be_switched_off(monkeypatch):
     from adaflash.models.layers import linear, pack
 
+    monkeypatch.setenv("ADAFLASH_FP32_ROWS", "0")  # the oneDNN layout alone
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
     packed = pack(w)
@@ -114,3 +115,33 @@ def test_packed_weights_give_the_same_bf16_results_and_can_be_switched_off(monke
     assert pack(w.float()) is None  # fp32 stays on F.linear (the exactness tests run there)
     monkeypatch.setenv("ADAFLASH_PACKED_WEIGHTS", "0")
     assert pack(w) is None
+
+
+def test_many_rows_go_through_fp32_weights_where_bf16_is_not_native(monkeypatch):
+    """From ``ADAFLASH_FP32_ROWS`` rows on, a bf16 weight is applied as its fp32 copy (the
+    output rounded to bf16 once); fewer rows keep the bf16 path bit for bit."""
+    from adaflash.models import layers
+    from adaflash.models.layers import linear, pack
+
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    b = (torch.randn(96, generator=g) * 0.1).bfloat16()
+    monkeypatch.setenv("ADAFLASH_FP32_ROWS", "4")
+    packed = pack(w, b)
+    assert packed is not None and packed.fp32 is not None and packed.min_rows == 4
+    for m in (1, 3):
+        x = torch.randn(m, 64, generator=g).bfloat16()
+        assert torch.equal(linear(x, w, b, packed), F.linear(x, w, b))
+    for shape in ((4, 64), (2, 9, 64)):  # rows counted over the leading dims
+        x = torch.randn(*shape, generator=g).bfloat16()
+        out = linear(x, w, b, packed)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, F.linear(x.float(), w.float(), b.float()).bfloat16())
+        assert torch.allclose(out.float(), F.linear(x, w, b).float(), atol=2e-2)
+    assert pack(w, rows_scale=2).min_rows == 8  # the LM head's later crossover
+    monkeypatch.delenv("ADAFLASH_FP32_ROWS")  # the default follows the CPU
+    assert layers.fp32_rows() == (0 if layers.native_bf16() else 4)
+    monkeypatch.setattr(layers, "native_bf16", lambda: True)
+    assert layers.fp32_rows() == 0
+    packed = pack(w)
+    assert packed is None or packed.fp32 is None
