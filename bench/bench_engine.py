@@ -27,6 +27,7 @@ import torch
 
 from adaflash.config import DrafterConfig, EngineConfig, SamplingParams, TargetConfig
 from adaflash.engine.engine import Engine
+from adaflash.hardware import cpu_info
 from adaflash.metrics import speedup
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.target import PackedBatch, TargetModel
@@ -239,6 +240,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "machine": {
             "platform": platform.platform(),
+            "cpu": cpu_info(),
             "processor": platform.processor(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),

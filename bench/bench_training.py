@@ -26,6 +26,7 @@ import torch
 
 from adaflash.config import DistillConfig
 from adaflash.distill import block_states, distill_sequence, sample_anchors, slot_targets
+from adaflash.hardware import cpu_info
 from adaflash.losses import opd_loss, weighted_slot_mean
 from adaflash.models.draft_vocab import build_draft_vocab, count_tokens, lookup_table
 from adaflash.models.target import PackedBatch, load_target
@@ -148,6 +149,7 @@ def main() -> None:
         },
         "machine": {
             "platform": platform.platform(),
+            "cpu": cpu_info(),
             "processor": platform.processor(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),

@@ -72,6 +72,7 @@ from adaflash.engine import policy as policies
 from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
 from adaflash.engine.round import Propose, draft_tokens
+from adaflash.hardware import cpu_info
 from adaflash.metrics import speedup
 from adaflash.models.drafter import DFlashDrafter, load_drafter
 from adaflash.models.target import TargetModel, load_target
@@ -1033,6 +1034,7 @@ def main() -> None:
         "minutes": round((time.time() - t_start) / 60, 1),
         "machine": {
             "platform": platform.platform(),
+            "cpu": cpu_info(),
             "processor": platform.processor(),
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),

@@ -37,6 +37,7 @@ from adaflash.cli import DEFAULT_DRAFTER, encode_prompt
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import QueueSink
+from adaflash.hardware import cpu_info
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import REPO, repo_relative
 from adaflash.pull import resolve_target
@@ -304,7 +305,7 @@ def main() -> None:
     result = {
         "benchmark": "bench/demo_adapt.py",
         "args": {**vars(args), "drafter": repo_relative(args.drafter)},
-        "machine": {"platform": platform.platform(), "torch": torch.__version__},
+        "machine": {"platform": platform.platform(), "cpu": cpu_info(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "ar": measure_ar(target, tok, eval_prompts, args),
         "arms": [],

@@ -24,6 +24,7 @@ import torch
 from adaflash.cli import encode_prompt
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
+from adaflash.hardware import cpu_info
 from adaflash.metrics import speedup
 from adaflash.models.drafter import load_drafter
 from adaflash.models.target import load_target
@@ -120,6 +121,7 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "machine": {
             "platform": platform.platform(),
+            "cpu": cpu_info(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
         },

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from adaflash.hardware import cpu_info
 from adaflash.models.layers import linear, pack
 
 # SmolLM2-135M's projections (out, in): q|k|v fused, o, gate|up fused, down, the LM head
@@ -33,17 +32,6 @@ SHAPES = {
     "lm_head": (49152, 576),
 }
 ROWS = (1, 2, 4, 8, 16, 32)
-
-
-def cpu() -> dict[str, object]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"model name\s*:\s*(.+)", text)
-    flags = set(re.search(r"flags\s*:\s*(.+)", text).group(1).split()) if "flags" in text else set()
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return {
-        "model": model.group(1).strip() if model else platform.processor(),
-        "flags": sorted(f for f in flags if f in wanted),
-    }
 
 
 def ms(f: Callable[[], object], reps: int) -> float:
@@ -89,7 +77,7 @@ def main() -> None:
             rows.append(row)
     out = {
         "benchmark": "bench/gemm_dtypes.py",
-        "cpu": cpu(),
+        "cpu": cpu_info(),
         "threads": args.threads,
         "torch": torch.__version__,
         "rows": rows,

@@ -40,6 +40,7 @@ import torch
 from adaflash.cli import default_drafter, encode_prompt
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
+from adaflash.hardware import cpu_info
 from adaflash.models.drafter import load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import repo_relative
@@ -253,6 +254,7 @@ def main() -> None:
         },
         "machine": {
             "platform": platform.platform(),
+            "cpu": cpu_info(),
             "processor": platform.processor() or platform.machine(),
             "torch": torch.__version__,
         },

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from adaflash.hardware import cpu_info
+
 PROMPTS = [
     "Tell me about the moon.",
     "Write a Python function that reverses a string.",
@@ -171,7 +173,7 @@ def main() -> None:
         "compile_wait_s": compile_s,
         "rss_idle_mb": round(started, 1),
         **result,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": {"platform": platform.platform(), "cpu": cpu_info(), "cpus": os.cpu_count()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "note": args.note,
     }

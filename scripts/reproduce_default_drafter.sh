@@ -15,6 +15,14 @@ CODE_PROMPTS=${CODE_PROMPTS:-1200}
 D=data/traj
 
 ./dev.sh pull smollm2
+# trajectories generated in earlier sessions travel with the repo (assets/trajectories, gzip);
+# regenerate appends only the prompts a file lacks, so they are a head start, not a fork
+mkdir -p $D
+for gz in assets/trajectories/*.jsonl.gz; do
+  [ -e "$gz" ] || continue
+  out=$D/$(basename "$gz" .gz)
+  [ -f "$out" ] || gunzip -c "$gz" > "$out"
+done
 # on-policy data: the target's greedy answers, batched (32 concurrent requests), resumable
 for dom in chat code math; do
   ./dev.sh regenerate --domain $dom --split eval --out $D/${dom}_eval.jsonl --threads 1

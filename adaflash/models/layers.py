@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adaflash.hardware import native_bf16
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -29,21 +31,6 @@ class RMSNorm(nn.Module):
         # x·rsqrt(mean(x²) + eps) in fp32, cast back, then the weight: HF's order, one kernel
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
-
-
-@functools.cache
-def native_bf16() -> bool:
-    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Without it, oneDNN's bf16
-    GEMM costs about a GEMV per row: 16 rows cost ~4× what fp32 weights cost on the same CPU
-    (``bench/gemm_dtypes.py``, docs/results/engine/gemm_dtypes.json). Unknown → assume native."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return True
-    lines = [ln for ln in text.splitlines() if ln.startswith("flags")]
-    flags = set(lines[0].split(":", 1)[1].split()) if lines else set()
-    return bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
 def fp32_rows() -> int:

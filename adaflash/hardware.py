@@ -1,0 +1,39 @@
+"""What this CPU is: its model and the instruction-set flags the engine's kernel choices and the
+benchmarks' result files depend on (machines of the same size differ between runs)."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+@functools.cache
+def cpu_info() -> dict[str, object]:
+    """{"model": …, "flags": […]} from /proc/cpuinfo (flags: the ones of interest only)."""
+    path = Path("/proc/cpuinfo")
+    try:
+        text = path.read_text()
+    except OSError:
+        return {"model": platform.processor(), "flags": []}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {
+        "model": fields.get("model name") or platform.processor(),
+        "flags": [f for f in FLAGS_OF_INTEREST if f in flags],
+    }
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Without it a bf16 GEMM
+    costs about a GEMV per row (``bench/gemm_dtypes.py``). No /proc/cpuinfo → assume native."""
+    flags = cpu_info()["flags"]
+    assert isinstance(flags, list)
+    if not flags and not Path("/proc/cpuinfo").exists():
+        return True
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags))

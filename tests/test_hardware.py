@@ -1,0 +1,22 @@
+"""The CPU description the kernel choices and result files rely on."""
+
+from pathlib import Path
+
+from adaflash import hardware
+
+
+def test_cpu_info_names_the_model_and_only_flags_of_interest():
+    info = hardware.cpu_info()
+    assert isinstance(info["model"], str)
+    assert set(info["flags"]) <= set(hardware.FLAGS_OF_INTEREST)
+    if Path("/proc/cpuinfo").exists():
+        text = Path("/proc/cpuinfo").read_text()
+        assert ("avx2" in text.split()) == ("avx2" in info["flags"])
+
+
+def test_native_bf16_follows_the_flags(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_info", lambda: {"model": "x", "flags": ["avx2", "fma"]})
+    if Path("/proc/cpuinfo").exists():
+        assert not hardware.native_bf16()
+    monkeypatch.setattr(hardware, "cpu_info", lambda: {"model": "x", "flags": ["amx_bf16"]})
+    assert hardware.native_bf16()
