@@ -414,7 +414,7 @@ def policy_cell(
         for key in plan:
             run = run_method(s, key, prompts, c, ar_ref, drafters)
             runs[key].append(run)
-            if key == (None, "ar"):  # the answer key as this C computes it (see below)
+            if key == (None, "ar"):  # the answer key as this C computes it (docstring)
                 ar_ref = {**ar_ref, **run["_outputs"]}
     return runs
 
