@@ -78,12 +78,12 @@ class CostModel:
 
     def target_s(self, tokens: int, requests: int) -> float:
         """Predicted seconds of a target pass (never below a microsecond)."""
-        line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
-        if requests != 1 or tokens > ONE_REQUEST_MAX or not self.one_request:
-            return line
         table = self.one_request
-        if tokens in table:
+        if requests == 1 and tokens in table:
             return table[tokens]
+        line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
+        if requests != 1 or tokens > ONE_REQUEST_MAX or not table:
+            return line
         known = sorted(table)
         i = bisect_left(known, tokens)
         if i == len(known):  # above every measured count: the line, at least the largest's cost

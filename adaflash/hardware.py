@@ -11,17 +11,22 @@ FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_b
 
 
 @functools.cache
-def cpu_info() -> dict[str, object]:
-    """{"model": …, "flags": […]} from /proc/cpuinfo (flags: the ones of interest only)."""
-    path = Path("/proc/cpuinfo")
+def cpuinfo() -> dict[str, str] | None:
+    """The first processor's fields in /proc/cpuinfo (None where there is none)."""
     try:
-        text = path.read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return {"model": platform.processor(), "flags": []}
+        return None
     fields: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_info() -> dict[str, object]:
+    """{"model": …, "flags": […]} (flags: the ones of interest only), for result files."""
+    fields = cpuinfo() or {}
     flags = set(fields.get("flags", "").split())
     return {
         "model": fields.get("model name") or platform.processor(),
@@ -32,8 +37,7 @@ def cpu_info() -> dict[str, object]:
 def native_bf16() -> bool:
     """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Without it a bf16 GEMM
     costs about a GEMV per row (``bench/gemm_dtypes.py``). No /proc/cpuinfo → assume native."""
-    flags = cpu_info()["flags"]
-    assert isinstance(flags, list)
-    if not flags and not Path("/proc/cpuinfo").exists():
+    fields = cpuinfo()
+    if fields is None:
         return True
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    return bool({"avx512_bf16", "amx_bf16"} & set(fields.get("flags", "").split()))

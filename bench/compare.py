@@ -74,6 +74,7 @@ from adaflash.engine.request import Request
 from adaflash.engine.round import Propose, draft_tokens
 from adaflash.hardware import cpu_info
 from adaflash.metrics import speedup
+from adaflash.models.decode_graph import compile_now
 from adaflash.models.drafter import DFlashDrafter, load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import REPO, repo_relative
@@ -482,19 +483,6 @@ def policy_domain(
             print_policy_row(row)
             rows.append(row)
     return rows
-
-
-def compile_graphs(target: TargetModel, drafter: DFlashDrafter) -> dict[str, float]:
-    """The compiled one-request graphs `serve` builds in the background, built here before any
-    cell is timed: plain decoding, and decode + verification capturing the drafter's layers."""
-    for capture in ((), tuple(drafter.cfg.target_layer_ids)):
-        graph = target.compile_decode(capture, multi=bool(capture), background=False)
-        if not graph.ready(capture):
-            raise SystemExit(f"compiling the decode step failed: {graph.failed}")
-    return {
-        f"{list(c)}{' verify' if multi else ''}": round(t, 1)
-        for (c, multi), t in graph.compile_s.items()
-    }
 
 
 def warm_up(s: Setup, prompts: list[list[int]], drafters: dict[str, DFlashDrafter]) -> None:
@@ -1007,7 +995,11 @@ def main() -> None:
     served = copy.deepcopy(shipped).to(getattr(torch, args.dtype)).eval()  # as serve runs it
     weak = weak_drafter(shipped, args.seed).to(served.dtype)
     drafters = {"shipped": served, "weak": weak, "oracle": served}
-    compile_s = compile_graphs(target, served) if study_policies and not args.no_compile else {}
+    compile_s = (  # what `serve` compiles in the background, here before any cell
+        compile_now(target, [(), tuple(served.cfg.target_layer_ids)])
+        if study_policies and not args.no_compile
+        else {}
+    )
     rows: list[dict] = []
     curves: dict[str, list[float]] = {}
     for i, domain in enumerate(args.domains):

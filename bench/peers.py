@@ -41,6 +41,7 @@ from adaflash.cli import default_drafter, encode_prompt
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.hardware import cpu_info
+from adaflash.models.decode_graph import compile_now
 from adaflash.models.drafter import load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import repo_relative
@@ -193,13 +194,7 @@ def main() -> None:
         graphs = [()] + (
             [tuple(drafter.cfg.target_layer_ids)] if drafter is not None and speculative else []
         )
-        for capture in graphs:  # the drafter's: decode and verification graphs
-            graph = target.compile_decode(capture, multi=bool(capture), background=False)
-            assert graph.ready(capture), graph.failed
-        compile_s = {
-            f"{list(c)}{' verify' if multi else ''}": round(s, 1)
-            for (c, multi), s in graph.compile_s.items()
-        }
+        compile_s = compile_now(target, graphs)
     runners: dict[str, Run] = {"adaflash-ar": adaflash_runner(target, None, "ar")}
     if not args.no_compile:
         runners["adaflash-ar-eager"] = adaflash_runner(target, None, "ar", compiled=False)

@@ -244,3 +244,21 @@ class DecodeGraph:
         self.steps += 1
         self.tokens += n
         return logits, features
+
+
+def compile_now(target: TargetModel, captures: list[tuple[int, ...]]) -> dict[str, float]:
+    """Build, in the foreground, the graphs ``serve`` builds in the background for these
+    captured-layer sets (plain decoding for ``()``; decode and verification for a drafter's),
+    before a benchmark times anything; seconds per graph, by a readable name. Raises if one
+    failed."""
+    graph = None
+    for capture in captures:
+        graph = target.compile_decode(capture, multi=bool(capture), background=False)
+        if not graph.ready(capture):
+            raise RuntimeError(f"compiling the decode step failed: {graph.failed}")
+    if graph is None:
+        return {}
+    return {
+        f"{list(c)}{' verify' if multi else ''}": round(t, 1)
+        for (c, multi), t in graph.compile_s.items()
+    }
