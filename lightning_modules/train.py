@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import lightning as L
 import torch
 
 from adaflash.config import DEFAULT_BLOCK_SIZE, DistillConfig, DrafterConfig
+from adaflash.hardware import native_bf16
 from adaflash.models.drafter import DFlashDrafter, save_drafter
 from adaflash.models.target import DecoderLayer, TargetModel
 from adaflash.teacher_cache import CachedSequence, teach
@@ -21,6 +23,17 @@ from lightning_modules.data import TeacherDataModule
 from lightning_modules.distill import DrafterDistillation
 
 Source = Sequence[Trajectory] | Sequence[CachedSequence]
+log = logging.getLogger(__name__)
+
+
+def effective(cfg: DistillConfig) -> DistillConfig:
+    """The settings a run actually trains with: bf16 autocast only where it is faster — on a
+    GPU, or on a CPU with native bf16. Elsewhere a bf16 matmul runs a reference kernel (one
+    training step 1.7× slower than in fp32, AMD EPYC AVX2, ``bench/bench_training.py``), so the
+    run stays in fp32 and the model card says so."""
+    if cfg.bf16_autocast and not torch.cuda.is_available() and not native_bf16():
+        return replace(cfg, bf16_autocast=False)
+    return cfg
 
 
 @dataclass
@@ -121,6 +134,9 @@ def fit(
     """One training run with a fresh Trainer on trajectories (taught in memory first) or cached
     sequences. The drafter trains in fp32 (bf16 autocast when configured); the target stays
     frozen in its own dtype. ``curve_sets`` are replayed every ``curve_every`` blocks."""
+    if effective(cfg) != cfg:
+        log.warning("bf16 autocast off: this CPU lacks native bf16, fp32 trains faster here")
+        cfg = effective(cfg)
     drafter.float().train().requires_grad_(True)
     train_seqs = cached(target, train, drafter, cfg.top_k)
     val_seqs = cached(target, val or [], drafter, cfg.top_k)
@@ -179,7 +195,9 @@ def write_model_card(
     result: TrainResult,
     extra: dict[str, Any] | None = None,
 ) -> None:
-    """README.md (human) + training.json (machine) next to the weights."""
+    """README.md (human) + training.json (machine) next to the weights (the settings the run
+    trained with)."""
+    cfg = effective(cfg)
     d = result.drafter.cfg
     info = {
         "title": title,

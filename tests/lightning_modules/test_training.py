@@ -101,3 +101,15 @@ def test_train_cli_writes_a_dflash_folder(setup, tmp_path):
     d = load_drafter(out)
     assert d.cfg.block_size == 4 and d.cfg.num_layers == 1
     assert json.loads((out / "training.json").read_text())["data"]["sequences"] == len(trajs)
+
+
+def test_bf16_autocast_applies_only_where_bf16_is_native(monkeypatch):
+    from lightning_modules import train
+
+    asked = DistillConfig(bf16_autocast=True)
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(train, "native_bf16", lambda: False)
+    assert train.effective(asked).bf16_autocast is False  # reference kernels: fp32 is faster
+    assert train.effective(DistillConfig()).bf16_autocast is False
+    monkeypatch.setattr(train, "native_bf16", lambda: True)
+    assert train.effective(asked) == asked
