@@ -35,8 +35,9 @@ def cpu_info() -> dict[str, object]:
 
 
 def native_bf16() -> bool:
-    """(Asked per layer per step: only the cached ``cpuinfo`` is read.) Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Without it a bf16 GEMM
-    costs about a GEMV per row (``bench/gemm_dtypes.py``). No /proc/cpuinfo → assume native."""
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Without it a bf16 GEMM
+    costs about a GEMV per row (``bench/gemm_dtypes.py``). No /proc/cpuinfo → assume native.
+    Cheap enough to ask per layer per step (``cpuinfo`` is read once)."""
     fields = cpuinfo()
     if fields is None:
         return True

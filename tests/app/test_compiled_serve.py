@@ -9,6 +9,8 @@ import pytest
 
 from tests.server import start_server, stop_server
 
+pytestmark = pytest.mark.slow  # the compile takes minutes on two cores
+
 PROMPT = [5, 6, 7, 8, 9]
 NEW = 24
 

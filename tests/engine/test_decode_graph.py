@@ -30,6 +30,7 @@ def compiled(tiny):
     return target, drafter, references
 
 
+@pytest.mark.slow  # compiles both graphs (minutes on two cores)
 def test_plain_engine_through_the_graph_matches_hf_generate(compiled):
     target, _, references = compiled
     graph = target.decode_graph
@@ -41,6 +42,7 @@ def test_plain_engine_through_the_graph_matches_hf_generate(compiled):
     assert graph.steps - before >= len(PROMPTS) * (NEW - 1)  # one request at a time: compiled
 
 
+@pytest.mark.slow  # compiles both graphs (minutes on two cores)
 def test_speculative_engine_with_captured_features_stays_exact(compiled, monkeypatch):
     target, drafter, references = compiled
     monkeypatch.setattr(decode_graph, "MAX_TOKENS", 16)  # every verification width compiled
@@ -55,6 +57,7 @@ def test_speculative_engine_with_captured_features_stays_exact(compiled, monkeyp
     assert graph.tokens - tokens > graph.steps - before  # … and so did verification
 
 
+@pytest.mark.slow  # compiles both graphs (minutes on two cores)
 def test_graph_equals_the_eager_step_across_pool_growth(compiled):
     target, _, _ = compiled
     graph = target.decode_graph

@@ -10,8 +10,7 @@ from adaflash.models.batch_attention import SMALL_ATTENTION, gqa_attend
 
 def reference(q, keys, values, bias):
     """SDPA with the key/value heads repeated per query head, in float32."""
-    r, n, heads, d = q.shape
-    g = heads // keys.shape[1]
+    g = q.shape[2] // keys.shape[1]
     k = keys.float().repeat_interleave(g, dim=1)  # (R, heads, L, d)
     v = values.float().repeat_interleave(g, dim=1)
     mask = bias[:, 0, 0][:, None]  # (R, 1, n, L)
