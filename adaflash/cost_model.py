@@ -32,9 +32,15 @@ class RecursiveLeastSquares:
         self.p = torch.eye(len(prior), dtype=torch.float64) * confidence
         self.forget = forget
         self.seen = 0
+        self._coef = self.theta.tolist()  # θ as floats: the policy predicts ~100s of times a step
+
+    def pin(self, theta: list[float]) -> None:
+        """Set θ (tests that fix costs instead of timing them)."""
+        self.theta = torch.tensor(theta, dtype=torch.float64)
+        self._coef = self.theta.tolist()
 
     def predict(self, x: list[float]) -> float:
-        return float(self.theta @ torch.tensor(x, dtype=torch.float64))
+        return sum(c * v for c, v in zip(self._coef, x, strict=True))
 
     def update(self, x: list[float], y: float) -> None:
         xv = torch.tensor(x, dtype=torch.float64)
@@ -42,6 +48,7 @@ class RecursiveLeastSquares:
         gain = px / (self.forget + xv @ px)
         self.theta = self.theta + gain * (y - self.theta @ xv)
         self.p = (self.p - torch.outer(gain, px)) / self.forget
+        self._coef = self.theta.tolist()
         self.seen += 1
 
 

@@ -157,29 +157,41 @@ class CostPolicy(Policy):
         ctx: PolicyContext,
         plain: int,
         survival: dict[int, list[float]] | None = None,
+        ranked: list[tuple[float, int, int]] | None = None,
+        target_s: dict[int, float] | None = None,
     ) -> tuple[float, dict[int, int]]:
         """Best expected rate (tokens/s) and widths when ``reqs`` draft (``plain`` others
-        take a plain step): greedy slots by survival."""
+        take a plain step): greedy slots by survival. ``ranked`` (every candidate slot of a
+        superset of ``reqs``, by survival) and ``target_s`` (pass seconds by token count, this
+        step's request count) let ``drafters`` plan many subsets for the price of one sort."""
         k = ctx.block_size
         surv = survival or {id(r): self.survival(r, k) for r in reqs}
+        if ranked is None:
+            ranked = rank_slots(reqs, surv)
+        memo = {} if target_s is None else target_s
         widths = {id(r): 1 for r in reqs}
         tokens = float(len(reqs) + plain)  # every request yields at least its bonus token
         n_tok = len(reqs) + plain + ctx.other_tokens
         n_req = len(reqs) + plain
+
+        def pass_s(n: int) -> float:
+            if n not in memo:
+                memo[n] = ctx.cost.target_s(n, n_req)
+            return memo[n]
+
         fixed = ctx.cost.drafter_s(len(reqs), sum(ctx.pending(r) for r in reqs))
-        best_rate = tokens / (fixed + ctx.cost.target_s(n_tok, n_req))
+        best_rate = tokens / (fixed + pass_s(n_tok))
         best = dict(widths)
-        cands = sorted(
-            ((s, id(r), i + 2) for r in reqs for i, s in enumerate(surv[id(r)])),
-            key=lambda c: -c[0],
-        )
-        for s, rid, w in cands:  # each request's slots come in order: survival decreases
-            if widths[rid] != w - 1 or n_tok + 1 > ctx.budget + ctx.other_tokens:
+        limit = ctx.budget + ctx.other_tokens
+        for s, rid, w in ranked:  # each request's slots come in order: survival decreases
+            if widths.get(rid) != w - 1:  # not in this subset, or an earlier slot was not taken
                 continue
+            if n_tok + 1 > limit:
+                break
             widths[rid] = w
             tokens += s
             n_tok += 1
-            rate = tokens / (fixed + ctx.cost.target_s(n_tok, n_req))
+            rate = tokens / (fixed + pass_s(n_tok))
             if rate > best_rate:
                 best_rate, best = rate, dict(widths)
         return best_rate, best
@@ -191,10 +203,12 @@ class CostPolicy(Policy):
         surv = {id(r): self.survival(r, k) for r in ready}  # once per step
         # candidates by their value: expected extra tokens from the first few slots
         order = sorted(ready, key=lambda r: -sum(surv[id(r)]))
+        ranked = rank_slots(ready, surv)  # one sort and one cost table for every subset
+        seconds: dict[int, float] = {}
         plain_rate = len(ready) / ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
         best_n, best_rate = 0, plain_rate
         for n in range(1, len(order) + 1):
-            rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv)
+            rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         chosen = order[:best_n]
@@ -223,6 +237,17 @@ class CostPolicy(Policy):
         return torch.tensor(
             [max(widths[id(r)], self.probe_width if id(r) in self.probing else 1) for r in spec]
         )
+
+
+def rank_slots(
+    reqs: list[Request], survival: dict[int, list[float]]
+) -> list[tuple[float, int, int]]:
+    """(survival, request id, width) of every draft slot, highest survival first (stable, so a
+    request's slots of equal survival stay in slot order)."""
+    return sorted(
+        ((s, id(r), i + 2) for r in reqs for i, s in enumerate(survival[id(r)])),
+        key=lambda c: -c[0],
+    )
 
 
 def make_policy(name: str, block_size: int) -> Policy:

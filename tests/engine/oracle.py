@@ -89,8 +89,8 @@ class PinnedCost(CostModel):
 
     def __init__(self) -> None:
         super().__init__()
-        self.target.theta[:] = torch.tensor([0.040, 0.0001, 0.0])  # a step's base cost dominates
-        self.drafter.theta[:] = torch.tensor([0.004, 0.00001, 0.0])
+        self.target.pin([0.040, 0.0001, 0.0])  # a step's base cost dominates
+        self.drafter.pin([0.004, 0.00001, 0.0])
 
     def observe_target(self, tokens: int, requests: int, seconds: float) -> None:
         pass
