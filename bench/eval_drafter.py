@@ -5,7 +5,9 @@ drafter with the ``fixed`` policy (DFlash baseline, k̂ = k), ``head`` and ``cos
 request at a time (concurrency 1), greedy, in one process, and reports τ, verify length and
 tokens/s, with speedup = tokens/s ÷ ``ar`` tokens/s on the same prompts. Greedy outputs of every
 method are checked token-identical to ``ar`` (fp32) or counted as differing (bf16 can flip a
-near-tie between a batched and a one-token pass).
+near-tie between a batched and a one-token pass). ``simulated_accept_len`` replays the drafter
+against the ``ar`` replies as training measures it (every anchor, whole block verified): the τ
+that ``fixed`` should serve on these prompts, so a gap between the two points at serving.
 
     python bench/eval_drafter.py --drafter assets/drafters/smollm2-135m-dflash \
         --out docs/results/default_drafter_eval.json
@@ -23,6 +25,7 @@ import torch
 
 from adaflash.cli import encode_prompt
 from adaflash.config import EngineConfig, SamplingParams
+from adaflash.distill import simulate_acceptance
 from adaflash.engine.engine import Engine
 from adaflash.hardware import cpu_info
 from adaflash.metrics import speedup
@@ -90,6 +93,18 @@ def main() -> None:
         ]
         results = {m: run_method(target, drafter, tok, m, prompts, params) for m in args.methods}
         ref = results["ar"]["_outputs"] if "ar" in results else None
+        # τ the training-side replay predicts for the same replies (every anchor, the whole
+        # block verified): what `fixed` should serve if serving and training agree
+        sim = (
+            None
+            if ref is None
+            else simulate_acceptance(
+                drafter,
+                target,
+                [(list(p) + list(o), len(p)) for p, o in zip(prompts, ref, strict=True)],
+                anchors_per_seq=None,
+            ).accept_len
+        )
         for m, r in results.items():
             outs = r.pop("_outputs")
             row = {
@@ -97,6 +112,7 @@ def main() -> None:
                 "method": m,
                 "prompts": len(prompts),
                 **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()},
+                "simulated_accept_len": None if sim is None else round(sim, 4),
             }
             if ref is not None:
                 row["speedup_vs_ar"] = round(
