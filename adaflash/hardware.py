@@ -7,6 +7,8 @@ import functools
 import platform
 from pathlib import Path
 
+import torch
+
 FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
@@ -24,21 +26,35 @@ def cpuinfo() -> dict[str, str] | None:
     return fields
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str] | None:
+    """The first processor's instruction-set flags (None where /proc/cpuinfo is missing)."""
+    fields = cpuinfo()
+    return None if fields is None else frozenset(fields.get("flags", "").split())
+
+
 def cpu_info() -> dict[str, object]:
     """{"model": …, "flags": […]} (flags: the ones of interest only), for result files."""
-    fields = cpuinfo() or {}
-    flags = set(fields.get("flags", "").split())
+    flags = cpu_flags() or frozenset()
     return {
-        "model": fields.get("model name") or platform.processor(),
+        "model": (cpuinfo() or {}).get("model name") or platform.processor(),
         "flags": [f for f in FLAGS_OF_INTEREST if f in flags],
+    }
+
+
+def machine() -> dict[str, object]:
+    """What a benchmark's result file says about the machine it ran on."""
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu_info(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
     }
 
 
 def native_bf16() -> bool:
     """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Without it a bf16 GEMM
     costs about a GEMV per row (``bench/gemm_dtypes.py``). No /proc/cpuinfo → assume native.
-    Cheap enough to ask per layer per step (``cpuinfo`` is read once)."""
-    fields = cpuinfo()
-    if fields is None:
-        return True
-    return bool({"avx512_bf16", "amx_bf16"} & set(fields.get("flags", "").split()))
+    Asked per layer per step: the flags are parsed once (``cpu_flags``)."""
+    flags = cpu_flags()
+    return flags is None or bool({"avx512_bf16", "amx_bf16"} & flags)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 
 from adaflash.cli import build_engine, encode_prompt
 from adaflash.config import EngineConfig, SamplingParams
-from adaflash.hardware import cpu_info, native_bf16
+from adaflash.hardware import machine, native_bf16
 from adaflash.models import batch_attention
 from adaflash.pull import resolve_target
 from adaflash.workloads import load_prompts
@@ -77,12 +76,7 @@ def main() -> None:
     out = {
         "benchmark": "bench/batch_decode.py",
         "settings": {"steps": args.steps, "dtype": "bfloat16", "prompts": "code train"},
-        "machine": {
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "cpu": cpu_info(),
-        },
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "note": args.note,
         "best_batch": best["batch"],

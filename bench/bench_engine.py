@@ -27,7 +27,7 @@ import torch
 
 from adaflash.config import DrafterConfig, EngineConfig, SamplingParams, TargetConfig
 from adaflash.engine.engine import Engine
-from adaflash.hardware import cpu_info
+from adaflash.hardware import machine
 from adaflash.metrics import speedup
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.target import PackedBatch, TargetModel
@@ -238,13 +238,7 @@ def main() -> None:
         "dtype": args.dtype,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "machine": {
-            "platform": platform.platform(),
-            "cpu": cpu_info(),
-            "processor": platform.processor(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
+        "machine": {**machine(), "processor": platform.processor()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "note": args.note,
         "rows": rows,

@@ -26,7 +26,7 @@ import torch
 
 from adaflash.config import DistillConfig
 from adaflash.distill import block_states, distill_sequence, sample_anchors, slot_targets
-from adaflash.hardware import cpu_info
+from adaflash.hardware import machine
 from adaflash.losses import opd_loss, weighted_slot_mean
 from adaflash.models.draft_vocab import build_draft_vocab, count_tokens, lookup_table
 from adaflash.models.target import PackedBatch, load_target
@@ -147,13 +147,7 @@ def main() -> None:
             "timed_steps": args.steps,
             "sequences": [t.id for t in trajs],
         },
-        "machine": {
-            "platform": platform.platform(),
-            "cpu": cpu_info(),
-            "processor": platform.processor(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
+        "machine": {**machine(), "processor": platform.processor()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "note": args.note,
         "rows": rows,

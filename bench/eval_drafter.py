@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from adaflash.cli import encode_prompt
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.distill import simulate_acceptance
 from adaflash.engine.engine import Engine
-from adaflash.hardware import cpu_info
+from adaflash.hardware import machine
 from adaflash.metrics import speedup
 from adaflash.models.drafter import load_drafter
 from adaflash.models.target import load_target
@@ -135,12 +134,7 @@ def main() -> None:
         "concurrency": 1,
         "greedy": True,
         "max_new_tokens": args.max_new_tokens,
-        "machine": {
-            "platform": platform.platform(),
-            "cpu": cpu_info(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "note": args.note,
         "rows": rows,

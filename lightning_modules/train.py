@@ -134,9 +134,10 @@ def fit(
     """One training run with a fresh Trainer on trajectories (taught in memory first) or cached
     sequences. The drafter trains in fp32 (bf16 autocast when configured); the target stays
     frozen in its own dtype. ``curve_sets`` are replayed every ``curve_every`` blocks."""
-    if effective(cfg) != cfg:
+    ran = effective(cfg)
+    if ran != cfg:
         log.warning("bf16 autocast off: this CPU lacks native bf16, fp32 trains faster here")
-        cfg = effective(cfg)
+    cfg = ran
     drafter.float().train().requires_grad_(True)
     train_seqs = cached(target, train, drafter, cfg.top_k)
     val_seqs = cached(target, val or [], drafter, cfg.top_k)

@@ -15,9 +15,9 @@ def test_cpu_info_names_the_model_and_only_flags_of_interest():
 
 
 def test_native_bf16_follows_the_flags(monkeypatch):
-    monkeypatch.setattr(hardware, "cpuinfo", lambda: {"model name": "x", "flags": "avx2 fma"})
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert not hardware.native_bf16()
-    monkeypatch.setattr(hardware, "cpuinfo", lambda: {"model name": "x", "flags": "amx_bf16"})
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"amx_bf16"}))
     assert hardware.native_bf16()
-    monkeypatch.setattr(hardware, "cpuinfo", lambda: None)  # no /proc/cpuinfo: assume native
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: None)  # no /proc/cpuinfo: assume native
     assert hardware.native_bf16()
