@@ -222,7 +222,10 @@ def main() -> None:
     if args.compile:
         graph = target.compile_decode((), multi=True, background=False)
         assert graph.ready((), 16), graph.failed
-        compile_s = {"decode": graph.compile_s[((), False)], "verify": graph.compile_s[((), True)]}
+        compile_s = {
+            "decode": graph.compile_s[((), False, 1)],
+            "verify": graph.compile_s[((), True, 1)],
+        }
         costs += verify_cost(target, 1, args.prompt_len, [1, 4, 8, 16], args.reps)
     for row in costs:
         print(

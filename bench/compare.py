@@ -74,7 +74,7 @@ from adaflash.engine.request import Request
 from adaflash.engine.round import Propose, draft_tokens
 from adaflash.hardware import cpu_info
 from adaflash.metrics import speedup
-from adaflash.models.decode_graph import compile_now
+from adaflash.models.decode_graph import batch_sizes, compile_now
 from adaflash.models.drafter import DFlashDrafter, load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import REPO, repo_relative
@@ -996,7 +996,11 @@ def main() -> None:
     weak = weak_drafter(shipped, args.seed).to(served.dtype)
     drafters = {"shipped": served, "weak": weak, "oracle": served}
     compile_s = (  # what `serve` compiles in the background, here before any cell
-        compile_now(target, [(), tuple(served.cfg.target_layer_ids)])
+        compile_now(
+            target,
+            [(), tuple(served.cfg.target_layer_ids)],
+            batch_sizes(max(args.concurrency)),
+        )
         if study_policies and not args.no_compile
         else {}
     )

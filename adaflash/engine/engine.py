@@ -38,7 +38,7 @@ from adaflash.engine.request import (
 from adaflash.engine.round import Drafting, Propose, RoundResult, Verified, speculative_round
 from adaflash.engine.scheduler import Admission, Scheduler
 from adaflash.metrics import SpecCounters
-from adaflash.models.decode_graph import compile_enabled
+from adaflash.models.decode_graph import batch_sizes, compile_enabled
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.kv_cache import KVCache
 from adaflash.models.target import TargetModel
@@ -139,14 +139,17 @@ class Engine:
         self._request_graphs()
 
     def _request_graphs(self) -> None:
-        """With ``cfg.compile``: the compiled batch-1 step for what this engine now runs (plain
-        decoding, or capturing the drafter's context), compiled in the background."""
+        """With ``cfg.compile``: the compiled steps for what this engine now runs (plain
+        decoding, or capturing the drafter's context; one request, and batched decode steps up
+        to ``max_running_requests``), compiled in the background."""
         if not (self.cfg.compile and compile_enabled()):
             return
+        batches = batch_sizes(self.cfg.max_running_requests)
         if self.drafting is None or self.policy == "ar":
-            self.target.compile_decode(())
+            self.target.compile_decode((), batches=batches)
         else:  # plain steps and verification, both capturing the drafter's context
-            self.target.compile_decode(tuple(self.drafting.drafter.cfg.target_layer_ids), True)
+            layers = tuple(self.drafting.drafter.cfg.target_layer_ids)
+            self.target.compile_decode(layers, True, batches=batches)
 
     # -- thread-safe control surface ----------------------------------------------------------
     def add_request(

@@ -42,7 +42,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Key = tuple[tuple[int, ...], bool]  # (captured layers, several new tokens)
+Key = tuple[tuple[int, ...], bool, int]  # (captured layers, several new tokens, requests)
+
+
+def batch_sizes(max_requests: int) -> tuple[int, ...]:
+    """The batched decode steps worth compiling for an engine of ``max_requests`` requests,
+    from ``ADAFLASH_BATCH_GRAPHS`` (default 4,8,16; ``0`` or empty: none): a decode step of
+    n ≥ 2 requests runs on the smallest size ≥ n, padded. Sizes are static because the C++
+    GEMM template tunes for a fixed row count."""
+    raw = os.environ.get("ADAFLASH_BATCH_GRAPHS", "4,8,16").strip()
+    sizes = sorted({int(x) for x in raw.split(",") if x.strip()} - {0, 1}) if raw else []
+    # each size serves the counts above the one before it: keep those an engine can reach
+    return tuple(
+        b
+        for i, b in enumerate(sizes)
+        if max_requests > 1 and (i == 0 or sizes[i - 1] < max_requests)
+    )
 
 
 def compile_enabled() -> bool:
@@ -62,9 +77,9 @@ def options(device: torch.device) -> dict[str, object]:
     return opts
 
 
-class DecodeStep(nn.Module):
-    """The target's step for one request and one token, written for the compiler. Shares the
-    target's weights (fused q|k|v and gate|up where the target fused them)."""
+class _Step(nn.Module):
+    """The target's layers written for the compiler, over B requests × T new tokens each. Shares
+    the target's weights (fused q|k|v and gate|up where the target fused them)."""
 
     def __init__(self, target: TargetModel, capture: tuple[int, ...] = ()) -> None:
         super().__init__()
@@ -86,17 +101,18 @@ class DecodeStep(nn.Module):
             self.qkv.append(nn.Parameter(qkv.detach(), requires_grad=False))
             self.gate_up.append(nn.Parameter(gu.detach(), requires_grad=False))
 
-    def forward(
+    def run(
         self,
-        ids: torch.Tensor,  # (T,) new tokens of one request (decode: 1; verify: k̂)
-        pos: torch.Tensor,  # (1,) position of the first = the request's committed length
-        past: torch.Tensor,  # (layers, 2, kv_heads, capacity, d) the request's pool row
+        ids: torch.Tensor,  # (B, T) new tokens of B requests
+        pos: torch.Tensor,  # (B,) position of each request's first = its committed length
+        past: Callable[[int], tuple[torch.Tensor, torch.Tensor]],  # layer → keys, values
+        # each (B, kv_heads, capacity, d), positions ≥ pos masked
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         t = self.target
-        n, cap = ids.shape[0], past.shape[3]
-        x = t.embed_tokens(ids)  # (T, H)
-        cos, sin = t.rotary(pos + torch.arange(n, device=ids.device), x.dtype)  # (T, d)
-        hidden = (torch.arange(cap, device=ids.device) >= pos)[None, None, None, :]  # past ≥ pos
+        b, n = ids.shape
+        x = t.embed_tokens(ids.reshape(-1))  # (B·T, H)
+        positions = (pos[:, None] + torch.arange(n, device=ids.device)).reshape(-1)  # (B·T,)
+        cos, sin = t.rotary(positions, x.dtype)  # (B·T, d)
         ahead = torch.ones(n, n, dtype=torch.bool, device=ids.device).triu(1)  # (T, T) j > i
         new_kv, captured = [], {}
         for i, layer in enumerate(cast("list[DecoderLayer]", t.layers)):
@@ -105,31 +121,65 @@ class DecodeStep(nn.Module):
             g = nh // kvh
             qkv = F.linear(layer.input_layernorm(x), self.qkv[i], a.qkv_bias)
             q, k, v = qkv.split([nh * d, kvh * d, kvh * d], dim=-1)
-            q, k, v = q.view(n, nh, d), k.view(n, kvh, d), v.view(n, kvh, d)
+            q, k, v = q.view(b * n, nh, d), k.view(b * n, kvh, d), v.view(b * n, kvh, d)
             if a.q_norm is not None and a.k_norm is not None:
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            new_kv.append(torch.stack([k, v]))  # (2, T, kv_heads, d)
+            new_kv.append(torch.stack([k, v]).view(2, b, n, kvh, d))
             # attention in fp32: the past (masked to < pos) and the new tokens (causal), one softmax
-            qg = q.view(n, kvh, g, d).permute(1, 2, 0, 3).float() * d**-0.5  # (kvh, g, T, d)
-            kn = k.permute(1, 0, 2)[:, None].float()  # (kvh, 1, T, d)
-            vn = v.permute(1, 0, 2)[:, None].float()
-            keys, values = past[i, 0, :, None].float(), past[i, 1, :, None].float()  # (kvh,1,cap,d)
+            qg = q.view(b, n, kvh, g, d).permute(0, 2, 3, 1, 4).float() * d**-0.5  # (B,kvh,g,T,d)
+            kn = k.view(b, n, kvh, d).permute(0, 2, 1, 3)[:, :, None].float()  # (B,kvh,1,T,d)
+            vn = v.view(b, n, kvh, d).permute(0, 2, 1, 3)[:, :, None].float()
+            keys, values = past(i)
+            keys, values = keys[:, :, None].float(), values[:, :, None].float()  # (B,kvh,1,cap,d)
+            cap = keys.shape[3]
+            hidden = (torch.arange(cap, device=ids.device) >= pos[:, None])[:, None, None, None]
             s_past = torch.matmul(qg, keys.transpose(-1, -2)).masked_fill(hidden, float("-inf"))
             s_new = torch.matmul(qg, kn.transpose(-1, -2)).masked_fill(ahead, float("-inf"))
-            p = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)  # (kvh, g, T, cap + T)
-            o = torch.matmul(p[..., :cap], values) + torch.matmul(p[..., cap:], vn)  # (kvh,g,T,d)
-            o = o.permute(2, 0, 1, 3).reshape(n, nh * d).to(x.dtype)
+            p = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)  # (B,kvh,g,T,cap+T)
+            o = torch.matmul(p[..., :cap], values) + torch.matmul(p[..., cap:], vn)
+            o = o.permute(0, 3, 1, 2, 4).reshape(b * n, nh * d).to(x.dtype)  # (B·T, nh·d)
             x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
             h = layer.post_attention_layernorm(x)
             gate, up = F.linear(h, self.gate_up[i], m.gate_up_bias).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias)
             if i in self.capture:
                 captured[i] = x
-        logits = F.linear(t.norm(x), t.lm_head.weight).float()  # (T, V)
+        logits = F.linear(t.norm(x), t.lm_head.weight).float()  # (B·T, V)
         features = torch.cat([captured[i] for i in self.capture], -1) if self.capture else None
-        # (T, V), (layers, 2, T, kv_heads, d), (T, K·H)
+        # (B·T, V), (layers, 2, B, T, kv_heads, d), (B·T, K·H)
         return logits, torch.stack(new_kv), features
+
+
+class DecodeStep(_Step):
+    """One request's step: T new tokens (decode: 1; verify: k̂) over its own KV-pool row."""
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # (T,) new tokens of one request
+        pos: torch.Tensor,  # (1,) position of the first = the request's committed length
+        past: torch.Tensor,  # (layers, 2, kv_heads, capacity, d) the request's pool row
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        logits, new_kv, features = self.run(
+            ids[None], pos, lambda i: (past[i, 0][None], past[i, 1][None])
+        )
+        return logits, new_kv[:, :, 0], features  # (T, V), (layers, 2, T, kv_heads, d), (T, K·H)
+
+
+class BatchDecodeStep(_Step):
+    """B requests' decode step, one new token each, reading their rows of the whole KV pool."""
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # (B,) one new token per request
+        rows: torch.Tensor,  # (B,) their rows in the pool
+        pos: torch.Tensor,  # (B,) their committed lengths
+        pool: torch.Tensor,  # (rows, layers, 2, kv_heads, capacity, d) the KV pool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        logits, new_kv, features = self.run(
+            ids[:, None], pos, lambda i: (pool[rows, i, 0], pool[rows, i, 1])
+        )
+        return logits, new_kv[:, :, :, 0], features  # (B, V), (layers, 2, B, kv_heads, d), (B, K·H)
 
 
 # new tokens a compiled step takes; more run eager. With the token count dynamic the graph's
@@ -140,28 +190,37 @@ MAX_TOKENS = 4
 
 
 class DecodeGraph:
-    """Compiled ``DecodeStep``s, compiled one after another in a background thread. A graph is
-    keyed by the layers it captures (none for plain decoding; the drafter's for speculative
-    serving) and by whether it takes one token (decode) or several (verification, T dynamic)."""
+    """Compiled steps, compiled one after another in a background thread. A graph is keyed by
+    the layers it captures (none for plain decoding; the drafter's for speculative serving), by
+    whether it takes one token (decode) or several (verification, T dynamic), and by its request
+    count: 1 (``DecodeStep``) or a batch size (``BatchDecodeStep``, one token per request)."""
 
     def __init__(self, target: TargetModel) -> None:
         self.target = target
         self.graphs: dict[Key, Callable[..., tuple]] = {}
         self.failed: dict[Key, str] = {}
         self.compile_s: dict[Key, float] = {}
-        self._fns: dict[tuple[int, ...], Callable[..., tuple]] = {}
+        self._fns: dict[tuple[tuple[int, ...], int], Callable[..., tuple]] = {}
         self._asked: set[Key] = set()
         self._queue: queue.SimpleQueue[Key] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.steps = 0  # steps served compiled
-        self.tokens = 0  # their new tokens (more than steps: verification ran compiled)
+        self.tokens = 0  # their new tokens (more than steps: verification or batches ran compiled)
 
     def request(
-        self, capture: tuple[int, ...] = (), multi: bool = False, background: bool = True
+        self,
+        capture: tuple[int, ...] = (),
+        multi: bool = False,
+        background: bool = True,
+        batches: tuple[int, ...] = (),
     ) -> None:
-        """Compile the one-token step that captures ``capture`` and, with ``multi``, the
-        several-token one (once each): in the background thread, or here."""
-        keys = [(tuple(capture), False)] + ([(tuple(capture), True)] if multi else [])
+        """Compile the one-token step that captures ``capture``, with ``multi`` the
+        several-token one, and a batched decode step for each size in ``batches`` (once each):
+        in the background thread, or here."""
+        c = tuple(capture)
+        keys = (
+            [(c, False, 1)] + ([(c, True, 1)] if multi else []) + [(c, False, b) for b in batches]
+        )
         for key in keys:
             if key in self._asked:
                 continue
@@ -175,7 +234,12 @@ class DecodeGraph:
                 self._thread.start()
 
     def ready(self, capture: tuple[int, ...] = (), tokens: int = 1) -> bool:
-        return (tuple(capture), tokens > 1) in self.graphs and tokens <= MAX_TOKENS
+        return (tuple(capture), tokens > 1, 1) in self.graphs and tokens <= MAX_TOKENS
+
+    def batch_size(self, capture: tuple[int, ...], requests: int) -> int | None:
+        """The smallest compiled batch size that takes ``requests`` one-token requests, or None."""
+        sizes = [b for c, multi, b in self.graphs if c == tuple(capture) and b > 1 and not multi]
+        return min((b for b in sizes if b >= requests), default=None)
 
     def status(self) -> str:
         """'ready', 'compiling', 'failed' or 'off' (for /metrics)."""
@@ -192,35 +256,44 @@ class DecodeGraph:
     def _compile(self, key: Key) -> None:
         import torch._inductor.config as inductor
 
-        capture, multi = key
+        capture, multi, batch = key
         t0 = time.perf_counter()
         try:
-            if capture not in self._fns:
-                step = DecodeStep(self.target, capture).eval()
-                self._fns[capture] = torch.compile(step, fullgraph=True)
-            fn = self._fns[capture]
+            if (capture, batch) not in self._fns:  # one function per batch size: B stays static
+                module = DecodeStep if batch == 1 else BatchDecodeStep
+                self._fns[capture, batch] = torch.compile(
+                    module(self.target, capture).eval(), fullgraph=True
+                )
+            fn = self._fns[capture, batch]
             c, dev = self.target.cfg, self.target.device
             with inductor.patch(options(dev)):
-                # two capacities (and token counts) check that the dynamic dims hold
+                # two capacities (and token counts, pool rows) check that the dynamic dims hold
                 for cap, n in ((24, 3), (40, 5)) if multi else ((24, 1), (40, 1)):
                     with torch.inference_mode():  # an inference tensor, like the pool (KVCache)
-                        past = torch.zeros(
-                            (c.num_layers, 2, c.num_kv_heads, cap, c.head_dim),
+                        pool = torch.zeros(
+                            (batch + n, c.num_layers, 2, c.num_kv_heads, cap, c.head_dim),
                             dtype=self.target.dtype,
                             device=dev,
                         )
-                    ids = torch.zeros(n, dtype=torch.long, device=dev)
-                    torch._dynamo.mark_dynamic(past, 3)  # one graph for every capacity
-                    if multi:
-                        torch._dynamo.mark_dynamic(ids, 0)  # … and every token count ≥ 2
+                    pos = torch.full((batch,), cap // 2, device=dev)
                     with torch.no_grad():  # as served (see ``step``)
-                        fn(ids, torch.tensor([cap // 2], device=dev), past)
+                        if batch == 1:
+                            past, ids = pool[0], torch.zeros(n, dtype=torch.long, device=dev)
+                            torch._dynamo.mark_dynamic(past, 3)  # one graph for every capacity
+                            if multi:
+                                torch._dynamo.mark_dynamic(ids, 0)  # … and every token count ≥ 2
+                            fn(ids, pos, past)
+                        else:
+                            torch._dynamo.mark_dynamic(pool, 0)  # … and every pool size
+                            torch._dynamo.mark_dynamic(pool, 4)
+                            rows = torch.arange(batch, device=dev)
+                            fn(torch.zeros(batch, dtype=torch.long, device=dev), rows, pos, pool)
             self.graphs[key] = fn
             self.compile_s[key] = time.perf_counter() - t0
-            log.info("compiled the single-request step %s in %.1f s", key, self.compile_s[key])
+            log.info("compiled the decode step %s in %.1f s", key, self.compile_s[key])
         except Exception as e:  # the eager step keeps serving
             self.failed[key] = f"{type(e).__name__}: {e}"
-            log.warning("compiling the single-request step failed; eager serves: %s", e)
+            log.warning("compiling the decode step %s failed; eager serves: %s", key, e)
 
     def step(
         self, ids: torch.Tensor, slot: int, cache: KVCache, capture: tuple[int, ...] = ()
@@ -228,7 +301,7 @@ class DecodeGraph:
         """The new tokens (T,) of ``slot``: writes their keys/values; returns logits (T, V)
         fp32 and the captured features (T, K·H) or None."""
         n = ids.shape[0]
-        fn = self.graphs[(tuple(capture), n > 1)]
+        fn = self.graphs[(tuple(capture), n > 1, 1)]
         cache.reserve(slot, n)
         row, pos = cache.row(slot), cache.length(slot)
         past = cache.data[row]  # (layers, 2, kv_heads, capacity, d) view
@@ -245,20 +318,57 @@ class DecodeGraph:
         self.tokens += n
         return logits, features
 
+    def step_batch(
+        self,
+        ids: torch.Tensor,  # (n,) one new token per request
+        slots: tuple[int, ...],
+        cache: KVCache,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of n requests on the compiled batch size ≥ n (padded with copies of
+        the first request, whose outputs are dropped): writes their keys/values; returns logits
+        (n, V) fp32 and the captured features (n, K·H) or None."""
+        n = len(slots)
+        size = self.batch_size(capture, n)
+        assert size is not None, f"no compiled batch for {n} requests"
+        fn = self.graphs[(tuple(capture), False, size)]
+        for s in slots:
+            cache.reserve(s, 1)  # may grow the pool: read cache.data after
+        rows = [cache.row(s) for s in slots]
+        pos = [cache.length(s) for s in slots]
+        dev = self.target.device
+        pad = size - n
+        rows_t = torch.tensor(rows + rows[:1] * pad, device=dev)
+        pos_t = torch.tensor(pos + pos[:1] * pad, device=dev)
+        ids_t = torch.cat([ids.to(dev), ids[:1].to(dev).expand(pad)])
+        with torch.inference_mode(False), torch.no_grad():  # as in ``step``
+            logits, new_kv, features = fn(ids_t, rows_t, pos_t, cache.data)
+        with torch.inference_mode():  # token b's keys/values go to (rows[b], pos[b])
+            cache.data[rows_t[:n], :, :, :, pos_t[:n]] = new_kv[:, :, :n].permute(2, 0, 1, 3, 4)
+        for s in slots:
+            cache.advance(s, 1)
+        self.steps += 1
+        self.tokens += n
+        return logits[:n], None if features is None else features[:n]
 
-def compile_now(target: TargetModel, captures: list[tuple[int, ...]]) -> dict[str, float]:
+
+def compile_now(
+    target: TargetModel, captures: list[tuple[int, ...]], batches: tuple[int, ...] = ()
+) -> dict[str, float]:
     """Build, in the foreground, the graphs ``serve`` builds in the background for these
-    captured-layer sets (plain decoding for ``()``; decode and verification for a drafter's),
-    before a benchmark times anything; seconds per graph, by a readable name. Raises if one
-    failed."""
+    captured-layer sets (plain decoding for ``()``; decode and verification for a drafter's;
+    batched decode steps of ``batches`` requests), before a benchmark times anything; seconds
+    per graph, by a readable name. Raises if one failed."""
     graph = None
     for capture in captures:
-        graph = target.compile_decode(capture, multi=bool(capture), background=False)
-        if not graph.ready(capture):
+        graph = target.compile_decode(capture, bool(capture), False, batches)
+        if graph.failed:
             raise RuntimeError(f"compiling the decode step failed: {graph.failed}")
     if graph is None:
         return {}
-    return {
-        f"{list(c)}{' verify' if multi else ''}": round(t, 1)
-        for (c, multi), t in graph.compile_s.items()
-    }
+    return {name(key): round(t, 1) for key, t in graph.compile_s.items()}
+
+
+def name(key: Key) -> str:
+    capture, multi, batch = key
+    return f"{list(capture)}{' verify' if multi else ''}{f' batch {batch}' if batch > 1 else ''}"

@@ -147,14 +147,19 @@ class TargetModel(nn.Module):
         self.decode_graph: DecodeGraph | None = None  # ``compile_decode``
 
     def compile_decode(
-        self, capture: tuple[int, ...] = (), multi: bool = False, background: bool = True
+        self,
+        capture: tuple[int, ...] = (),
+        multi: bool = False,
+        background: bool = True,
+        batches: tuple[int, ...] = (),
     ) -> DecodeGraph:
-        """Serve single-request steps that capture ``capture`` through compiled graphs once they
-        are ready — one token (decode) and, with ``multi``, several (verification) — the eager
-        step serves until then, and if compiling fails."""
+        """Serve steps that capture ``capture`` through compiled graphs once they are ready —
+        one request's one token (decode) and, with ``multi``, several (verification), and the
+        decode steps of up to each size in ``batches`` requests — the eager step serves until
+        then, and if compiling fails."""
         if self.decode_graph is None:
             self.decode_graph = DecodeGraph(self)
-        self.decode_graph.request(capture, multi, background)
+        self.decode_graph.request(capture, multi, background, batches)
         return self.decode_graph
 
     @property
@@ -165,10 +170,16 @@ class TargetModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_cache(self, initial_capacity: int = 256) -> KVCache:
+    def new_cache(self, initial_capacity: int = 256, initial_rows: int = 4) -> KVCache:
         c = self.cfg
         return KVCache(
-            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, initial_capacity
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+            initial_capacity,
+            initial_rows,
         )
 
     def fuse(self) -> None:
@@ -200,18 +211,20 @@ class TargetModel(nn.Module):
         position), "last" (one row per request), "none", or a tensor of packed row indices.
         """
         graph = self.decode_graph
-        if (
-            graph is not None
-            and len(batch.lengths) == 1
-            and not (isinstance(logits, str) and logits == "none")
-            and graph.ready(capture_layers, batch.lengths[0])
-        ):  # one request: the compiled step
-            rows, feats = graph.step(batch.input_ids, batch.slots[0], cache, capture_layers)
-            if isinstance(logits, torch.Tensor):
-                picked = rows[logits.to(rows.device)] if logits.numel() else None
-            else:
-                picked = rows[-1:] if logits == "last" else rows
-            return TargetOutput(picked, feats)
+        if graph is not None and not (isinstance(logits, str) and logits == "none"):
+            rows: torch.Tensor | None = None
+            if len(batch.lengths) == 1 and graph.ready(capture_layers, batch.lengths[0]):
+                rows, feats = graph.step(batch.input_ids, batch.slots[0], cache, capture_layers)
+                last = rows[-1:]
+            elif max(batch.lengths) == 1 and graph.batch_size(capture_layers, len(batch.lengths)):
+                rows, feats = graph.step_batch(batch.input_ids, batch.slots, cache, capture_layers)
+                last = rows  # one token per request
+            if rows is not None:  # a compiled step ran
+                if isinstance(logits, torch.Tensor):
+                    picked = rows[logits.to(rows.device)] if logits.numel() else None
+                else:
+                    picked = last if logits == "last" else rows
+                return TargetOutput(picked, feats)
         ids = batch.input_ids.to(self.device)
         for slot, n in zip(batch.slots, batch.lengths, strict=True):
             cache.reserve(slot, n)

@@ -1,6 +1,6 @@
-"""The compiled batch-1 decode step (models/decode_graph.py): the same tokens as HF ``generate``
-in fp32 for plain and speculative engines, across KV-pool growth, and the eager step whenever
-the graph is not there (compiling, failed, switched off)."""
+"""The compiled decode steps (models/decode_graph.py), one request and batched: the same tokens
+as HF ``generate`` in fp32 for plain and speculative engines, across KV-pool growth and row
+moves, and the eager step whenever the graph is not there (compiling, failed, switched off)."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from adaflash.models import decode_graph
 from adaflash.models.decode_graph import DecodeGraph
 from adaflash.models.target import PackedBatch, load_target
 from tests.engine.conftest import random_drafter
-from tests.engine.oracle import OracleEngine, from_references
+from tests.engine.oracle import OracleEngine, PinnedCost, from_references
 from tests.engine.test_exactness import PROMPTS, hf_greedy
 
 NEW = 24
@@ -23,8 +23,10 @@ def compiled(tiny):
     folder, _, ref = tiny
     target = load_target(folder, "float32")
     drafter = random_drafter(target)
-    graph = target.compile_decode((), background=False)
-    target.compile_decode(tuple(drafter.cfg.target_layer_ids), multi=True, background=False)
+    graph = target.compile_decode((), background=False, batches=(4,))
+    target.compile_decode(
+        tuple(drafter.cfg.target_layer_ids), multi=True, background=False, batches=(4,)
+    )
     assert not graph.failed, graph.failed
     references = {tuple(p): p + hf_greedy(ref, p, NEW + 20) for p in PROMPTS}
     return target, drafter, references
@@ -40,6 +42,33 @@ def test_plain_engine_through_the_graph_matches_hf_generate(compiled):
     for prompt, res in zip(PROMPTS, results, strict=True):
         assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
     assert graph.steps - before >= len(PROMPTS) * (NEW - 1)  # one request at a time: compiled
+
+
+@pytest.mark.slow  # compiles the graphs (minutes on two cores)
+def test_batched_plain_engine_through_the_graph_matches_hf_generate(compiled):
+    target, _, references = compiled
+    graph = target.decode_graph
+    before, tokens = graph.steps, graph.tokens
+    engine = Engine(target, None, EngineConfig(policy="ar", max_running_requests=3))
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
+    assert graph.tokens - tokens > graph.steps - before  # several requests per compiled step
+
+
+@pytest.mark.slow  # compiles the graphs (minutes on two cores)
+def test_batched_speculative_engine_with_captured_features_stays_exact(compiled):
+    target, drafter, references = compiled
+    graph = target.decode_graph
+    before = graph.steps
+    cfg = EngineConfig(policy="cost", max_running_requests=4)
+    engine = OracleEngine(target, drafter, cfg, continuation=from_references(references))
+    engine.cost = PinnedCost()
+    engine.cost.drafter.pin([1.0, 0.0, 0.0])  # drafting never pays: plain batched steps, probes
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
+    assert graph.steps > before
 
 
 @pytest.mark.slow  # compiles both graphs (minutes on two cores)
@@ -81,6 +110,44 @@ def test_graph_equals_the_eager_step_across_pool_growth(compiled):
     finally:
         target.decode_graph = graph
     assert graph.steps - steps == 40
+    for a, b in zip(fast, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # compiles the graphs (minutes on two cores)
+def test_batched_graph_equals_the_eager_step_across_growth_and_row_moves(compiled):
+    target, _, _ = compiled
+    graph = target.decode_graph
+
+    def run(use_graph: bool) -> list[torch.Tensor]:
+        target.decode_graph = graph if use_graph else None
+        cache = target.new_cache(initial_capacity=8, initial_rows=2)  # rows and length grow
+        slots = [cache.allocate() for _ in range(4)]
+        prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 15], [13, 14]]
+        out = []
+        for slot, p in zip(slots, prompts, strict=True):
+            out.append(
+                target(
+                    PackedBatch(torch.tensor(p), (slot,), (len(p),)), cache, logits="last"
+                ).logits
+            )
+        toks = torch.cat(out).argmax(-1)
+        logits = []
+        for i in range(30):
+            if i == 10:  # the first request ends: the last row moves into its row; 3 remain
+                cache.free(slots[0])
+                slots, toks = slots[1:], toks[1:]
+            out = target(PackedBatch(toks, tuple(slots), (1,) * len(slots)), cache, logits="last")
+            logits.append(out.logits)
+            toks = out.logits.argmax(-1)
+        return logits
+
+    try:
+        steps = graph.steps
+        fast, eager = run(True), run(False)
+    finally:
+        target.decode_graph = graph
+    assert graph.steps - steps == 30  # 4 requests, then 3 padded to 4: all compiled
     for a, b in zip(fast, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
