@@ -197,6 +197,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
         num_threads=args.threads,
         max_running_requests=args.batch,
         max_batch_tokens=max(512, args.batch * 16),
+        compile=args.compile,
     )
     engine, tok = build_engine(resolve_target(args.target), args.drafter, cfg)
 
@@ -283,6 +284,12 @@ def _add_regenerate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compiled decode steps (one request and batches; minutes to compile, in the "
+        "background: worth it for long runs)",
+    )
     p.set_defaults(func=cmd_regenerate)
 
 

@@ -14,6 +14,9 @@ A target pass of one request with few tokens is not on that line: it may run on 
 cost, and one more token can cross from the graph to the eager path. Those passes get a table
 instead, one running mean per token count; a count never measured is interpolated between its
 measured neighbours (above the largest, the line, but never below that largest's cost).
+Plain passes of several requests (one token each: nobody verifies) may run on a compiled
+batched graph, at half the eager cost or less, so they get a table of their own too, by request
+count; a count not yet measured falls back to the line.
 """
 
 from __future__ import annotations
@@ -68,23 +71,32 @@ class CostModel:
         default_factory=lambda: RecursiveLeastSquares([0.01, 0.002, 0.0001])
     )
     one_request: dict[int, float] = field(default_factory=dict)  # tokens → seconds
-    target_passes: int = 0  # every target pass observed (line and table)
+    plain: dict[int, float] = field(default_factory=dict)  # requests (1 token each) → seconds
+    target_passes: int = 0  # every target pass observed (line and tables)
 
     def observe_target(self, tokens: int, requests: int, seconds: float) -> None:
         self.target_passes += 1
-        if requests == 1 and tokens <= ONE_REQUEST_MAX:
-            old = self.one_request.get(tokens)
-            self.one_request[tokens] = (
-                seconds if old is None else old + ONE_REQUEST_RATE * (seconds - old)
-            )
+        table = (
+            self.one_request
+            if requests == 1 and tokens <= ONE_REQUEST_MAX
+            else self.plain
+            if requests > 1 and tokens == requests
+            else None
+        )
+        if table is None:
+            self.target.update([1.0, float(tokens), float(requests)], seconds)
             return
-        self.target.update([1.0, float(tokens), float(requests)], seconds)
+        key = tokens if requests == 1 else requests
+        old = table.get(key)
+        table[key] = seconds if old is None else old + ONE_REQUEST_RATE * (seconds - old)
 
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
         self.drafter.update([1.0, float(requests), float(context)], seconds)
 
     def target_s(self, tokens: int, requests: int) -> float:
         """Predicted seconds of a target pass (never below a microsecond)."""
+        if requests > 1 and tokens == requests and requests in self.plain:
+            return self.plain[requests]
         table = self.one_request
         if requests == 1 and tokens in table:
             return table[tokens]
@@ -120,6 +132,7 @@ class CostModel:
             "drafter_per_request_ms": 1e3 * e,
             "drafter_per_context_token_ms": 1e3 * f,
             **{f"target_1req_{n}tok_ms": 1e3 * t for n, t in sorted(self.one_request.items())},
+            **{f"target_plain_{n}req_ms": 1e3 * t for n, t in sorted(self.plain.items())},
             "target_steps_seen": float(self.target_passes),
             "drafter_steps_seen": float(self.drafter.seen),
         }

@@ -161,7 +161,7 @@ def test_one_request_passes_get_their_own_costs_and_the_policy_stays_on_the_chea
     assert abs(cost.target_s(4, 1) - 0.016) < 1e-6
     assert abs(cost.target_s(6, 1) - (0.016 + 0.029 / 2)) < 1e-6  # between the measured 4 and 8
     assert cost.target_s(12, 1) >= 0.045  # above the largest measured: never cheaper than it
-    assert abs(cost.target_s(4, 4) - 0.038) < 2e-3  # batched passes still on their line
+    assert abs(cost.target_s(4, 4) - 0.038) < 2e-3  # plain batched passes: their own table
     assert cost.snapshot()["target_1req_4tok_ms"] == 16.0
     policy = CostPolicy(k)
     r = req(0)
@@ -171,3 +171,17 @@ def test_one_request_passes_get_their_own_costs_and_the_policy_stays_on_the_chea
     ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
     assert policy.drafters([r], ctx) == [r]
     assert int(policy.widths([r], None, ctx)[0]) == 4  # the widest compiled width, not eager
+
+
+def test_plain_batched_passes_get_their_own_costs_and_verification_keeps_the_line():
+    """A compiled batched graph makes a plain step of n requests cheap while a step in which
+    some verify runs eager: a plain step is priced from its table, not from the verify line."""
+    cost = CostModel()
+    for _ in range(40):
+        for n in (4, 8):
+            cost.observe_target(n, n, 0.030 + 0.001 * n)  # compiled plain steps
+            cost.observe_target(3 * n, n, 0.050 + 0.008 * 3 * n)  # eager verification
+    assert abs(cost.target_s(8, 8) - 0.038) < 1e-6
+    assert abs(cost.target_s(24, 8) - (0.050 + 0.008 * 24)) < 3e-3
+    assert cost.target_s(6, 6) > 0.06  # a count never measured plain: the line
+    assert cost.snapshot()["target_plain_8req_ms"] == 38.0

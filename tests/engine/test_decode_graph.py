@@ -32,8 +32,16 @@ def compiled(tiny):
     return target, drafter, references
 
 
+@pytest.fixture
+def no_recompiles():
+    """Serving must hit the graphs compiled ahead: a recompile would stall a step for minutes
+    (it did once: inputs made in inference mode failed the graph's guards)."""
+    with torch.compiler.set_stance("fail_on_recompile"):
+        yield
+
+
 @pytest.mark.slow  # compiles both graphs (minutes on two cores)
-def test_plain_engine_through_the_graph_matches_hf_generate(compiled):
+def test_plain_engine_through_the_graph_matches_hf_generate(compiled, no_recompiles):
     target, _, references = compiled
     graph = target.decode_graph
     before = graph.steps
@@ -45,7 +53,7 @@ def test_plain_engine_through_the_graph_matches_hf_generate(compiled):
 
 
 @pytest.mark.slow  # compiles the graphs (minutes on two cores)
-def test_batched_plain_engine_through_the_graph_matches_hf_generate(compiled):
+def test_batched_plain_engine_through_the_graph_matches_hf_generate(compiled, no_recompiles):
     target, _, references = compiled
     graph = target.decode_graph
     before, tokens = graph.steps, graph.tokens
@@ -57,7 +65,7 @@ def test_batched_plain_engine_through_the_graph_matches_hf_generate(compiled):
 
 
 @pytest.mark.slow  # compiles the graphs (minutes on two cores)
-def test_batched_speculative_engine_with_captured_features_stays_exact(compiled):
+def test_batched_speculative_engine_with_captured_features_stays_exact(compiled, no_recompiles):
     target, drafter, references = compiled
     graph = target.decode_graph
     before = graph.steps
@@ -72,7 +80,9 @@ def test_batched_speculative_engine_with_captured_features_stays_exact(compiled)
 
 
 @pytest.mark.slow  # compiles both graphs (minutes on two cores)
-def test_speculative_engine_with_captured_features_stays_exact(compiled, monkeypatch):
+def test_speculative_engine_with_captured_features_stays_exact(
+    compiled, monkeypatch, no_recompiles
+):
     target, drafter, references = compiled
     monkeypatch.setattr(decode_graph, "MAX_TOKENS", 16)  # every verification width compiled
     graph = target.decode_graph
@@ -87,7 +97,7 @@ def test_speculative_engine_with_captured_features_stays_exact(compiled, monkeyp
 
 
 @pytest.mark.slow  # compiles both graphs (minutes on two cores)
-def test_graph_equals_the_eager_step_across_pool_growth(compiled):
+def test_graph_equals_the_eager_step_across_pool_growth(compiled, no_recompiles):
     target, _, _ = compiled
     graph = target.decode_graph
 
@@ -115,7 +125,7 @@ def test_graph_equals_the_eager_step_across_pool_growth(compiled):
 
 
 @pytest.mark.slow  # compiles the graphs (minutes on two cores)
-def test_batched_graph_equals_the_eager_step_across_growth_and_row_moves(compiled):
+def test_batched_graph_equals_the_eager_step_across_growth_and_row_moves(compiled, no_recompiles):
     target, _, _ = compiled
     graph = target.decode_graph
 
