@@ -246,7 +246,8 @@ class DecodeGraph:
 
     def batch_size(self, capture: tuple[int, ...], requests: int) -> int | None:
         """The smallest compiled batch size that takes ``requests`` one-token requests, or None."""
-        sizes = [b for c, multi, b in self.graphs if c == tuple(capture) and b > 1 and not multi]
+        keys = list(self.graphs)  # one copy: the compile thread may add a graph meanwhile
+        sizes = [b for c, multi, b in keys if c == tuple(capture) and b > 1 and not multi]
         return min((b for b in sizes if b >= requests), default=None)
 
     def status(self) -> str:
