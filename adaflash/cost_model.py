@@ -76,17 +76,13 @@ class CostModel:
 
     def observe_target(self, tokens: int, requests: int, seconds: float) -> None:
         self.target_passes += 1
-        table = (
-            self.one_request
-            if requests == 1 and tokens <= ONE_REQUEST_MAX
-            else self.plain
-            if requests > 1 and tokens == requests
-            else None
-        )
-        if table is None:
+        if requests == 1 and tokens <= ONE_REQUEST_MAX:
+            table, key = self.one_request, tokens
+        elif requests > 1 and tokens == requests:  # a plain batched pass
+            table, key = self.plain, requests
+        else:
             self.target.update([1.0, float(tokens), float(requests)], seconds)
             return
-        key = tokens if requests == 1 else requests
         old = table.get(key)
         table[key] = seconds if old is None else old + ONE_REQUEST_RATE * (seconds - old)
 

@@ -96,13 +96,27 @@ def test_speculative_engine_with_captured_features_stays_exact(
     assert graph.tokens - tokens > graph.steps - before  # … and so did verification
 
 
+def compiled_steps_matching_eager(target, run) -> int:
+    """Run ``run()`` through the graphs, then eager; assert the logits agree; return how many
+    steps ran compiled."""
+    graph = target.decode_graph
+    steps = graph.steps
+    try:
+        fast = run()
+        target.decode_graph = None
+        eager = run()
+    finally:
+        target.decode_graph = graph
+    for a, b in zip(fast, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    return graph.steps - steps
+
+
 @pytest.mark.slow  # compiles both graphs (minutes on two cores)
 def test_graph_equals_the_eager_step_across_pool_growth(compiled, no_recompiles):
     target, _, _ = compiled
-    graph = target.decode_graph
 
-    def run(use_graph: bool) -> list[torch.Tensor]:
-        target.decode_graph = graph if use_graph else None
+    def run() -> list[torch.Tensor]:
         cache = target.new_cache(initial_capacity=8)  # grows 8 → 16 → 32 → 64 on the way
         slot = cache.allocate()
         prompt = torch.tensor([3, 4, 5, 6, 7])
@@ -114,23 +128,14 @@ def test_graph_equals_the_eager_step_across_pool_growth(compiled, no_recompiles)
             logits.append(out[0])
         return logits
 
-    try:
-        steps = graph.steps
-        fast, eager = run(True), run(False)
-    finally:
-        target.decode_graph = graph
-    assert graph.steps - steps == 40
-    for a, b in zip(fast, eager, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert compiled_steps_matching_eager(target, run) == 40
 
 
 @pytest.mark.slow  # compiles the graphs (minutes on two cores)
 def test_batched_graph_equals_the_eager_step_across_growth_and_row_moves(compiled, no_recompiles):
     target, _, _ = compiled
-    graph = target.decode_graph
 
-    def run(use_graph: bool) -> list[torch.Tensor]:
-        target.decode_graph = graph if use_graph else None
+    def run() -> list[torch.Tensor]:
         cache = target.new_cache(initial_capacity=8, initial_rows=2)  # rows and length grow
         slots = [cache.allocate() for _ in range(4)]
         prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 15], [13, 14]]
@@ -152,14 +157,8 @@ def test_batched_graph_equals_the_eager_step_across_growth_and_row_moves(compile
             toks = out.logits.argmax(-1)
         return logits
 
-    try:
-        steps = graph.steps
-        fast, eager = run(True), run(False)
-    finally:
-        target.decode_graph = graph
-    assert graph.steps - steps == 30  # 4 requests, then 3 padded to 4: all compiled
-    for a, b in zip(fast, eager, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # 4 requests, then 3 padded to 4: all compiled
+    assert compiled_steps_matching_eager(target, run) == 30
 
 
 def test_a_graph_that_fails_to_compile_leaves_the_eager_step(tiny, monkeypatch):
