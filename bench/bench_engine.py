@@ -9,7 +9,8 @@ run) to show what the same runtime gains when drafts are accepted. Speed is repo
 ``ar`` at the same concurrency, measured in the same run. ``verify_cost`` is the median time of
 one target pass adding n = 1, 4, 8, 16 tokens per request, as a ratio to a decode step (n = 1);
 with ``--compile`` it is measured again through the compiled single-request graphs
-(``models/decode_graph.py``, batch 1 only; the policy rows stay eager so they compare alike).
+(``models/decode_graph.py``: decode, and verification widths padded up to 4 / 8 / 16; batch 1
+only; the policy rows stay eager so they compare alike).
 
     python bench/bench_engine.py --out docs/results/engine/bench_engine.json
 """
@@ -29,6 +30,8 @@ from adaflash.config import DrafterConfig, EngineConfig, SamplingParams, TargetC
 from adaflash.engine.engine import Engine
 from adaflash.hardware import machine
 from adaflash.metrics import speedup
+from adaflash.models.decode_graph import autotune
+from adaflash.models.decode_graph import name as graph_name
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.target import PackedBatch, TargetModel
 
@@ -221,11 +224,8 @@ def main() -> None:
     compile_s = {}
     if args.compile:
         graph = target.compile_decode((), multi=True, background=False)
-        assert graph.ready((), 16), graph.failed
-        compile_s = {
-            "decode": graph.compile_s[((), False, 1)],
-            "verify": graph.compile_s[((), True, 1)],
-        }
+        assert graph.ready((), 16), graph.failed or "ADAFLASH_VERIFY_GRAPHS has no width ≥ 16"
+        compile_s = {graph_name(key): t for key, t in graph.compile_s.items()}
         costs += verify_cost(target, 1, args.prompt_len, [1, 4, 8, 16], args.reps)
     for row in costs:
         print(
@@ -247,6 +247,7 @@ def main() -> None:
         "rows": rows,
         "verify_cost": costs,
         "compile_s": {k: round(v, 1) for k, v in compile_s.items()},
+        "gemm_autotune": autotune() if args.compile else None,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

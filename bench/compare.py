@@ -74,7 +74,7 @@ from adaflash.engine.request import Request
 from adaflash.engine.round import Propose, draft_tokens
 from adaflash.hardware import cpu_info
 from adaflash.metrics import speedup
-from adaflash.models.decode_graph import batch_sizes, compile_now
+from adaflash.models.decode_graph import autotune, batch_sizes, compile_now
 from adaflash.models.drafter import DFlashDrafter, load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import REPO, repo_relative
@@ -1027,6 +1027,7 @@ def main() -> None:
         "rows": rows,
         "adaptation_curves": curves,
         "compile_s": compile_s,
+        "gemm_autotune": autotune() if compile_s else None,
         "minutes": round((time.time() - t_start) / 60, 1),
         "machine": {
             "platform": platform.platform(),

@@ -10,7 +10,8 @@ prompt, EOS ignored, so every engine does the same work):
   from the length head / from the online cost model (which may not draft at all);
 - ``hf``: Hugging Face transformers ``generate`` (bf16, left-padded batches);
 - ``llamacpp-bf16`` / ``llamacpp-q4_1``: llama.cpp through llama-cpp-python's low-level API, one
-  ``llama_decode`` per step for the whole batch (sequence ids), greedy argmax on its logits.
+  ``llama_decode`` per step for the whole batch (sequence ids), greedy argmax on its logits; each
+  in a process of its own (``bench/llamacpp_peer.py``), which waits while the others run.
 
 Rounds are interleaved (engine A, B, C, … then again), and each cell reports the median and the
 min/max over rounds. ``ms_per_step`` is wall time per decode step after the prefill.
@@ -26,22 +27,22 @@ llama.cpp is optional (``pip install 'adaflash[bench]'``, built from source, abo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from adaflash.cli import default_drafter, encode_prompt
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.hardware import cpu_info
-from adaflash.models.decode_graph import batch_sizes, compile_now
+from adaflash.models.decode_graph import autotune, batch_sizes, compile_now
 from adaflash.models.drafter import load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import repo_relative
@@ -101,70 +102,25 @@ def hf_runner(folder: Path, pad_id: int) -> Run:
     return run
 
 
-class LlamaCpp:
-    """Batched greedy decoding with llama.cpp's C API (llama-cpp-python bindings)."""
+class LlamaCppPeer:
+    """llama.cpp in a process of its own (``bench/llamacpp_peer.py``): in this process, torch's
+    OpenMP threads, busy from the engines before it, slowed it down (BF16 38.0 vs 51.4 tok/s alone
+    at batch 1, AVX-512 Xeon). The child answers one JSON line per round."""
 
-    def __init__(self, path: Path, threads: int, max_batch: int, per_seq: int = 1024) -> None:
-        import llama_cpp as lc
-
-        n_ctx = max_batch * per_seq  # llama.cpp splits its context between the sequences
-        self.lc = lc
-        lc.llama_backend_init()
-        mparams = lc.llama_model_default_params()
-        if hasattr(mparams, "use_extra_bufts"):
-            mparams.use_extra_bufts = False  # its AMX Q4 path crashes on some Intel CPUs
-        self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {path}")
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = n_ctx
-        cparams.n_ubatch = 512
-        cparams.n_seq_max = max_batch
-        cparams.n_threads = cparams.n_threads_batch = threads
-        self.ctx = lc.llama_init_from_model(self.model, cparams)
-        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
-        self.batch = lc.llama_batch_init(n_ctx, 0, max_batch)
-
-    def _add(self, token: int, pos: int, seq: int, logits: bool) -> None:
-        b = self.batch
-        i = b.n_tokens
-        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
-        b.seq_id[i][0] = seq
-        b.n_tokens += 1
-
-    def _argmax(self, i: int) -> int:
-        ptr = self.lc.llama_get_logits_ith(self.ctx, i)
-        arr = np.ctypeslib.as_array(
-            ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (self.n_vocab,)
-        )
-        return int(arr.argmax())
+    def __init__(self, path: Path, threads: int, max_batch: int) -> None:
+        script = Path(__file__).with_name("llamacpp_peer.py")
+        cmd = [sys.executable, str(script), str(path), str(threads), str(max_batch)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def run(self, prompts: list[list[int]], new: int) -> tuple[float, float]:
-        lc = self.lc
-        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
-        t0 = time.perf_counter()
-        self.batch.n_tokens = 0
-        last = []
-        for s, p in enumerate(prompts):
-            for j, tok in enumerate(p):
-                self._add(tok, j, s, j == len(p) - 1)
-            last.append(self.batch.n_tokens - 1)
-        if lc.llama_decode(self.ctx, self.batch) != 0:
-            raise RuntimeError("llama_decode failed on the prompts")
-        nxt = [self._argmax(i) for i in last]
-        pos = [len(p) for p in prompts]
-        t1 = time.perf_counter()
-        for _ in range(new - 1):
-            self.batch.n_tokens = 0
-            for s, tok in enumerate(nxt):
-                self._add(tok, pos[s], s, True)
-                pos[s] += 1
-            if lc.llama_decode(self.ctx, self.batch) != 0:
-                raise RuntimeError("llama_decode failed")
-            nxt = [self._argmax(i) for i in range(len(prompts))]
-        wall = time.perf_counter() - t0
-        return len(prompts) * new / wall, 1e3 * (time.perf_counter() - t1) / max(new - 1, 1)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "new": new}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp peer exited ({self.proc.wait()})")
+        tps, ms = json.loads(line)
+        return tps, ms
 
 
 def main() -> None:
@@ -204,9 +160,9 @@ def main() -> None:
     runners["hf"] = hf_runner(folder, tok.eos_token_ids[0])
     max_b = max(args.batches)
     if args.gguf_bf16:
-        runners["llamacpp-bf16"] = LlamaCpp(Path(args.gguf_bf16), args.threads, max_b).run
+        runners["llamacpp-bf16"] = LlamaCppPeer(Path(args.gguf_bf16), args.threads, max_b).run
     if args.gguf_q4:
-        runners["llamacpp-q4_1"] = LlamaCpp(Path(args.gguf_q4), args.threads, max_b).run
+        runners["llamacpp-q4_1"] = LlamaCppPeer(Path(args.gguf_q4), args.threads, max_b).run
     if args.engines:
         runners = {k: v for k, v in runners.items() if k in args.engines}
     cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -244,7 +200,8 @@ def main() -> None:
             "prompts": "workloads/chat_eval.jsonl, chat template",
             "drafter": repo_relative(drafter_dir) if drafter_dir else None,
             "compiled_decode": not args.no_compile,
-            "compile_s": compile_s,  # per captured-layer set; [] = plain decoding
+            "compile_s": compile_s,  # per graph; [] = plain decoding
+            "gemm_autotune": None if args.no_compile else autotune(),
             "note": args.note,
         },
         "machine": {

@@ -20,12 +20,19 @@ without native bf16 its GEMMs widen the bf16 weights in registers, where the eag
 fp32 copies (``models/layers.py``): 52 ms for a step of 8 requests against 114 ms eager (AVX-512
 Xeon, 2 threads, quiet).
 
+One request verifying several tokens takes a graph of a static width (``verify_widths``:
+4, 8 and 16 by default), padded up to the next one: the pads come after the real tokens, so the
+causal mask keeps them out of the real tokens' outputs, and their keys/values are dropped. A
+static width lets the GEMMs tune for their row count; with the count dynamic they lost to the
+eager step beyond 4 tokens (AMX Xeon, one thread: 16 tokens 92 ms compiled vs 52 ms eager).
+
 Graphs are keyed by the captured layers — none for plain decoding, the drafter's for speculative
-serving (its plain steps keep the drafter's context) — by one token (decode) or a few
-(verification, up to ``MAX_TOKENS``, the count dynamic), and by the request count (1, or a batch
-size of ``batch_sizes``). Compiling one took 83–205 s here, in a background thread: until it is
-ready, and wherever it fails, the eager step serves. ``ADAFLASH_COMPILE=0`` or
-``serve --no-compile`` switches them all off, ``ADAFLASH_BATCH_GRAPHS=0`` the batched ones.
+serving (its plain steps keep the drafter's context) — by the new tokens per request (1: decode,
+or a verification width) and by the request count (1, or a batch size of ``batch_sizes``).
+Compiling one took 40–430 s on the machines here, in a background thread: until it is ready,
+and wherever it fails, the eager step serves. ``ADAFLASH_COMPILE=0`` or ``serve --no-compile``
+switches them all off, ``ADAFLASH_BATCH_GRAPHS=0`` the batched ones, ``ADAFLASH_VERIFY_GRAPHS=0``
+the verification ones.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adaflash.hardware import cpu_flags
 from adaflash.models.layers import apply_rope
 
 if TYPE_CHECKING:
@@ -50,7 +58,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Key = tuple[tuple[int, ...], bool, int]  # (captured layers, several new tokens, requests)
+Key = tuple[tuple[int, ...], int, int]  # (captured layers, new tokens per request, requests)
+
+
+def _sizes(variable: str, default: str) -> list[int]:
+    """The sizes ≥ 2 listed in ``variable`` (comma-separated; ``0`` or empty: none), sorted."""
+    raw = os.environ.get(variable, default).strip()
+    return sorted({int(x) for x in raw.split(",") if x.strip()} - {0, 1}) if raw else []
+
+
+def verify_widths() -> tuple[int, ...]:
+    """The verification widths compiled for one request, from ``ADAFLASH_VERIFY_GRAPHS``
+    (default 4,8,16; ``0`` or empty: none): verifying n ≥ 2 tokens runs on the smallest
+    width ≥ n, padded; more than the largest run eager."""
+    return tuple(_sizes("ADAFLASH_VERIFY_GRAPHS", "4,8,16"))
 
 
 def batch_sizes(max_requests: int) -> tuple[int, ...]:
@@ -58,8 +79,7 @@ def batch_sizes(max_requests: int) -> tuple[int, ...]:
     from ``ADAFLASH_BATCH_GRAPHS`` (default 4,8,16; ``0`` or empty: none): a decode step of
     n ≥ 2 requests runs on the smallest size ≥ n, padded. Sizes are static because the C++
     GEMM template tunes for a fixed row count."""
-    raw = os.environ.get("ADAFLASH_BATCH_GRAPHS", "4,8,16").strip()
-    sizes = sorted({int(x) for x in raw.split(",") if x.strip()} - {0, 1}) if raw else []
+    sizes = _sizes("ADAFLASH_BATCH_GRAPHS", "4,8,16")
     # each size serves the counts above the one before it: keep those an engine can reach
     return tuple(
         b
@@ -72,15 +92,29 @@ def compile_enabled() -> bool:
     return os.environ.get("ADAFLASH_COMPILE", "1") != "0"
 
 
+def autotune() -> bool:
+    """Whether the compiled steps' GEMMs are autotuned between oneDNN and inductor's C++
+    micro-kernel template (``ADAFLASH_AUTOTUNE=1``/``0`` decides; by default yes, except on a
+    CPU with AVX512-BF16 but no AMX). Measured (2 threads unless said, batch 1, SmolLM2-135M):
+    on an AMX Xeon the template's GEMV won over oneDNN's (9.4 vs 17.2 ms over the 120 per-layer
+    projections, one thread); without native bf16 it is the one kernel that does not stream fp32
+    weight copies; on an AMD EPYC with AVX512-BF16 and no AMX, oneDNN multiplies bf16 natively
+    and autotuning picked the template's fp32-widening kernels anyway: a step took 12.1 ms
+    autotuned vs 9.4 ms oneDNN only, 16 verified tokens 32.0 vs 15.3 ms."""
+    raw = os.environ.get("ADAFLASH_AUTOTUNE")
+    if raw is not None:
+        return raw != "0"
+    flags = cpu_flags() or frozenset()
+    return not ("avx512_bf16" in flags and "amx_bf16" not in flags)
+
+
 def options(device: torch.device) -> dict[str, object]:
     """Inductor settings: weights frozen (constants, prepacked), a C++ wrapper, and on a CPU
-    the GEMMs autotuned between ATen/oneDNN and inductor's own C++ micro-kernel template — the
-    template's AVX-512 GEMV measured ~1.8× faster than oneDNN's on all 120 per-layer projections
-    at batch 1 (``ADAFLASH_AUTOTUNE=0``: oneDNN only, a shorter compile)."""
+    the GEMMs autotuned where that wins (``autotune``)."""
     opts: dict[str, object] = {"freezing": True}
     if device.type == "cpu":
         opts["cpp_wrapper"] = True
-        if os.environ.get("ADAFLASH_AUTOTUNE", "1") != "0":
+        if autotune():
             opts |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
     return opts
 
@@ -190,17 +224,10 @@ class BatchDecodeStep(_Step):
         return logits, new_kv[:, :, :, 0], features  # (B, V), (layers, 2, B, kv_heads, d), (B, K·H)
 
 
-# new tokens a compiled step takes; more run eager. With the token count dynamic the graph's
-# GEMMs lose to the eager packed ones beyond a few rows (docs/results/engine/bench_engine.json,
-# batch 1, one thread: 4 tokens 29.8 ms compiled vs 40.0 eager, 8 tokens 63.5 vs 50.2, 16 tokens
-# 92.0 vs 52.4), so verification of up to 4 tokens runs compiled.
-MAX_TOKENS = 4
-
-
 class DecodeGraph:
     """Compiled steps, compiled one after another in a background thread. A graph is keyed by
     the layers it captures (none for plain decoding; the drafter's for speculative serving), by
-    whether it takes one token (decode) or several (verification, T dynamic), and by its request
+    the new tokens it takes per request (1: decode; a verification width), and by its request
     count: 1 (``DecodeStep``) or a batch size (``BatchDecodeStep``, one token per request)."""
 
     def __init__(self, target: TargetModel) -> None:
@@ -208,7 +235,6 @@ class DecodeGraph:
         self.graphs: dict[Key, Callable[..., tuple]] = {}
         self.failed: dict[Key, str] = {}
         self.compile_s: dict[Key, float] = {}
-        self._fns: dict[tuple[tuple[int, ...], int], Callable[..., tuple]] = {}
         self._asked: set[Key] = set()
         self._queue: queue.SimpleQueue[Key] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -222,13 +248,12 @@ class DecodeGraph:
         background: bool = True,
         batches: tuple[int, ...] = (),
     ) -> None:
-        """Compile the one-token step that captures ``capture``, with ``multi`` the
-        several-token one, and a batched decode step for each size in ``batches`` (once each):
-        in the background thread, or here."""
+        """Compile the one-token step that captures ``capture``, with ``multi`` a verification
+        step of each width in ``verify_widths()``, and a batched decode step for each size in
+        ``batches`` (once each): in the background thread, or here."""
         c = tuple(capture)
-        keys = (
-            [(c, False, 1)] + ([(c, True, 1)] if multi else []) + [(c, False, b) for b in batches]
-        )
+        widths = verify_widths() if multi else ()
+        keys = [(c, 1, 1)] + [(c, w, 1) for w in widths] + [(c, 1, b) for b in batches]
         for key in keys:
             if key in self._asked:
                 continue
@@ -242,12 +267,21 @@ class DecodeGraph:
                 self._thread.start()
 
     def ready(self, capture: tuple[int, ...] = (), tokens: int = 1) -> bool:
-        return (tuple(capture), tokens > 1, 1) in self.graphs and tokens <= MAX_TOKENS
+        return self.width(capture, tokens) is not None
+
+    def width(self, capture: tuple[int, ...], tokens: int) -> int | None:
+        """The compiled one-request step that takes ``tokens`` new tokens: 1 for a decode step,
+        else the smallest verification width ≥ ``tokens``; None if there is none (yet)."""
+        keys = list(self.graphs)  # one copy: the compile thread may add a graph meanwhile
+        widths = [t for c, t, b in keys if c == tuple(capture) and b == 1]
+        if tokens == 1:
+            return 1 if 1 in widths else None
+        return min((t for t in widths if t >= tokens > 1), default=None)
 
     def batch_size(self, capture: tuple[int, ...], requests: int) -> int | None:
         """The smallest compiled batch size that takes ``requests`` one-token requests, or None."""
         keys = list(self.graphs)  # one copy: the compile thread may add a graph meanwhile
-        sizes = [b for c, multi, b in keys if c == tuple(capture) and b > 1 and not multi]
+        sizes = [b for c, t, b in keys if c == tuple(capture) and b > 1 and t == 1]
         return min((b for b in sizes if b >= requests), default=None)
 
     def status(self) -> str:
@@ -265,22 +299,23 @@ class DecodeGraph:
     def _compile(self, key: Key) -> None:
         import torch._inductor.config as inductor
 
-        capture, multi, batch = key
+        capture, n, batch = key
         t0 = time.perf_counter()
         try:
-            if (capture, batch) not in self._fns:  # one function per batch size: B stays static
-                module = DecodeStep if batch == 1 else BatchDecodeStep
-                self._fns[capture, batch] = torch.compile(
-                    module(self.target, capture).eval(), fullgraph=True
-                )
-            fn = self._fns[capture, batch]
+            # one function per key: the new tokens and the batch size stay static. Dynamo caches
+            # them all under one code object (``DecodeStep.forward``), whose default limit of 8
+            # entries would send a ninth graph back to Python: room for every key
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, 64)
+            module = DecodeStep if batch == 1 else BatchDecodeStep
+            fn = torch.compile(module(self.target, capture).eval(), fullgraph=True)
             c, dev = self.target.cfg, self.target.device
             with inductor.patch(options(dev)):
-                # two capacities (and token counts, pool rows) check that the dynamic dims hold
-                for cap, n in ((24, 3), (40, 5)) if multi else ((24, 1), (40, 1)):
+                # two capacities (and pool rows) check that the dynamic dims hold
+                for cap in (24, 40):
                     with torch.inference_mode():  # an inference tensor, like the pool (KVCache)
                         pool = torch.zeros(
-                            (batch + n, c.num_layers, 2, c.num_kv_heads, cap, c.head_dim),
+                            (batch + cap // 8, c.num_layers, 2, c.num_kv_heads, cap, c.head_dim),
                             dtype=self.target.dtype,
                             device=dev,
                         )
@@ -289,8 +324,6 @@ class DecodeGraph:
                         if batch == 1:
                             past, ids = pool[0], torch.zeros(n, dtype=torch.long, device=dev)
                             torch._dynamo.mark_dynamic(past, 3)  # one graph for every capacity
-                            if multi:
-                                torch._dynamo.mark_dynamic(ids, 0)  # … and every token count ≥ 2
                             fn(ids, pos, past)
                         else:
                             torch._dynamo.mark_dynamic(pool, 0)  # … and every pool size
@@ -307,25 +340,30 @@ class DecodeGraph:
     def step(
         self, ids: torch.Tensor, slot: int, cache: KVCache, capture: tuple[int, ...] = ()
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The new tokens (T,) of ``slot``: writes their keys/values; returns logits (T, V)
-        fp32 and the captured features (T, K·H) or None."""
+        """The new tokens (n,) of ``slot``, on the compiled width T ≥ n (padded with copies of
+        the last, whose outputs are dropped): writes their keys/values; returns logits (n, V)
+        fp32 and the captured features (n, K·H) or None."""
         n = ids.shape[0]
-        fn = self.graphs[(tuple(capture), n > 1, 1)]
+        width = self.width(capture, n)
+        assert width is not None, f"no compiled step for {n} tokens"
+        fn = self.graphs[(tuple(capture), width, 1)]
         cache.reserve(slot, n)
         row, pos = cache.row(slot), cache.length(slot)
         past = cache.data[row]  # (layers, 2, kv_heads, capacity, d) view
         # called as compiled: under no_grad, outside inference mode (in inference mode the
-        # graph is another one, without prepacked weights: 1.5× slower, measured)
+        # graph is another one, without prepacked weights: 1.5× slower, measured); the inputs
+        # made here too: an inference tensor would fail the guards
         with torch.inference_mode(False), torch.no_grad():
-            logits, new_kv, features = fn(
-                ids.to(self.target.device), torch.tensor([pos], device=self.target.device), past
-            )
+            ids = ids.to(self.target.device)
+            if width > n:  # after the real tokens: the causal mask hides them from the real ones
+                ids = torch.cat([ids, ids[-1:].expand(width - n)])
+            logits, new_kv, features = fn(ids, torch.tensor([pos], device=ids.device), past)
         with torch.inference_mode():  # the pool is an inference tensor
-            cache.data[row, :, :, :, pos : pos + n] = new_kv.transpose(2, 3)
+            cache.data[row, :, :, :, pos : pos + n] = new_kv[:, :, :n].transpose(2, 3)
         cache.advance(slot, n)
         self.steps += 1
         self.tokens += n
-        return logits, features
+        return logits[:n], None if features is None else features[:n]
 
     def step_batch(
         self,
@@ -340,7 +378,7 @@ class DecodeGraph:
         n = len(slots)
         size = self.batch_size(capture, n)
         assert size is not None, f"no compiled batch for {n} requests"
-        fn = self.graphs[(tuple(capture), False, size)]
+        fn = self.graphs[(tuple(capture), 1, size)]
         for s in slots:
             cache.reserve(s, 1)  # may grow the pool: read cache.data after
         rows = [cache.row(s) for s in slots]
@@ -366,7 +404,7 @@ def compile_now(
     target: TargetModel, captures: list[tuple[int, ...]], batches: tuple[int, ...] = ()
 ) -> dict[str, float]:
     """Build, in the foreground, the graphs ``serve`` builds in the background for these
-    captured-layer sets (plain decoding for ``()``; decode and verification for a drafter's;
+    captured-layer sets (plain decoding for ``()``; decode and verification widths for a drafter's;
     batched decode steps of ``batches`` requests), before a benchmark times anything; seconds
     per graph, by a readable name. Raises if one failed."""
     graph = None
@@ -380,5 +418,7 @@ def compile_now(
 
 
 def name(key: Key) -> str:
-    capture, multi, batch = key
-    return f"{list(capture)}{' verify' if multi else ''}{f' batch {batch}' if batch > 1 else ''}"
+    capture, tokens, batch = key
+    return f"{list(capture)}{f' verify {tokens}' if tokens > 1 else ''}" + (
+        f" batch {batch}" if batch > 1 else ""
+    )

@@ -19,14 +19,17 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def compiled(tiny):
-    """A target of its own (the session's is shared by eager tests) with both graphs."""
+    """A target of its own (the session's is shared by eager tests) with both graphs; two
+    verification widths: 2–4 tokens pad to 4, 5–16 to 16."""
     folder, _, ref = tiny
     target = load_target(folder, "float32")
     drafter = random_drafter(target)
     graph = target.compile_decode((), background=False, batches=(4,))
-    target.compile_decode(
-        tuple(drafter.cfg.target_layer_ids), multi=True, background=False, batches=(4,)
-    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ADAFLASH_VERIFY_GRAPHS", "4,16")
+        target.compile_decode(
+            tuple(drafter.cfg.target_layer_ids), multi=True, background=False, batches=(4,)
+        )
     assert not graph.failed, graph.failed
     references = {tuple(p): p + hf_greedy(ref, p, NEW + 20) for p in PROMPTS}
     return target, drafter, references
@@ -80,11 +83,8 @@ def test_batched_speculative_engine_with_captured_features_stays_exact(compiled,
 
 
 @pytest.mark.slow  # compiles both graphs (minutes on two cores)
-def test_speculative_engine_with_captured_features_stays_exact(
-    compiled, monkeypatch, no_recompiles
-):
+def test_speculative_engine_with_captured_features_stays_exact(compiled, no_recompiles):
     target, drafter, references = compiled
-    monkeypatch.setattr(decode_graph, "MAX_TOKENS", 16)  # every verification width compiled
     graph = target.decode_graph
     before, tokens = graph.steps, graph.tokens
     cfg = EngineConfig(policy="cost", max_running_requests=1)
@@ -132,6 +132,29 @@ def test_graph_equals_the_eager_step_across_pool_growth(compiled, no_recompiles)
 
 
 @pytest.mark.slow  # compiles the graphs (minutes on two cores)
+def test_padded_verification_equals_the_eager_pass(compiled, no_recompiles):
+    """Every width 2–16 on the compiled widths 4 and 16 (padded but for 4 and 16): the same
+    logits and captured features as the eager pass, and the same keys/values left behind."""
+    target, drafter, _ = compiled
+    layers = tuple(drafter.cfg.target_layer_ids)
+
+    def run() -> list[torch.Tensor]:
+        cache = target.new_cache(initial_capacity=8)  # grows on the way
+        slot = cache.allocate()
+        target(PackedBatch(torch.tensor([3, 4, 5]), (slot,), (3,)), cache, logits="none")
+        out = []
+        for n in range(2, 17):
+            ids = torch.arange(n) * 7 % 50 + 3
+            res = target(PackedBatch(ids, (slot,), (n,)), cache, capture_layers=layers)
+            out += [res.logits, res.features]
+            cache.truncate(slot, cache.length(slot) - n // 2)  # a partial accept
+        row = cache.data[cache.row(slot), :, :, :, : cache.length(slot)]
+        return [*out, row.clone()]
+
+    assert compiled_steps_matching_eager(target, run) == 15
+
+
+@pytest.mark.slow  # compiles the graphs (minutes on two cores)
 def test_batched_graph_equals_the_eager_step_across_growth_and_row_moves(compiled, no_recompiles):
     target, _, _ = compiled
 
@@ -159,6 +182,34 @@ def test_batched_graph_equals_the_eager_step_across_growth_and_row_moves(compile
 
     # 4 requests, then 3 padded to 4: all compiled
     assert compiled_steps_matching_eager(target, run) == 30
+
+
+def test_a_verification_takes_the_smallest_compiled_width_that_holds_it(tiny, monkeypatch):
+    folder, _, _ = tiny
+    graph = DecodeGraph(load_target(folder, "float32"))
+    assert not graph.ready((), 1) and graph.width((), 3) is None
+    step = lambda *a: ()  # noqa: E731 - stands in for a compiled function
+    graph.graphs = {((), 1, 1): step, ((), 4, 1): step, ((), 16, 1): step, ((7,), 8, 1): step}
+    graph.graphs[((), 1, 4)] = step  # a batched decode step is no verification width
+    assert [graph.width((), n) for n in (1, 2, 4, 5, 16, 17)] == [1, 4, 4, 16, 16, None]
+    assert graph.width((7,), 1) is None and graph.width((7,), 3) == 8
+    monkeypatch.setenv("ADAFLASH_VERIFY_GRAPHS", "16, 8,1")
+    assert decode_graph.verify_widths() == (8, 16)
+    monkeypatch.setenv("ADAFLASH_VERIFY_GRAPHS", "0")
+    assert decode_graph.verify_widths() == ()
+
+
+def test_gemms_are_autotuned_except_where_onednn_multiplies_bf16_natively(monkeypatch):
+    for flags, tuned in (
+        ({"avx512f"}, True),  # no native bf16: the template widens bf16 in registers
+        ({"avx512_bf16", "amx_bf16"}, True),  # AMX: the template's GEMV won
+        ({"avx512_bf16"}, False),  # AVX512-BF16 alone: oneDNN won
+    ):
+        monkeypatch.setattr(decode_graph, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.delenv("ADAFLASH_AUTOTUNE", raising=False)
+        assert decode_graph.autotune() is tuned
+        monkeypatch.setenv("ADAFLASH_AUTOTUNE", "0" if tuned else "1")
+        assert decode_graph.autotune() is not tuned
 
 
 def test_a_graph_that_fails_to_compile_leaves_the_eager_step(tiny, monkeypatch):
