@@ -13,8 +13,10 @@ prompt, EOS ignored, so every engine does the same work):
   ``llama_decode`` per step for the whole batch (sequence ids), greedy argmax on its logits; each
   in a process of its own (``bench/llamacpp_peer.py``), which waits while the others run.
 
-Rounds are interleaved (engine A, B, C, … then again), and each cell reports the median and the
-min/max over rounds. ``ms_per_step`` is wall time per decode step after the prefill.
+Every engine first runs ``--warmup`` untimed short generations per batch size (the first steps
+after compiling paid a one-time cost: 25.5 tok/s in an untimed-warm-up-less round 0, 92–102 in
+the next). Rounds are interleaved (engine A, B, C, … then again), and each cell reports the
+median and the min/max over rounds. ``ms_per_step`` is wall time per decode step after the prefill.
 llama.cpp is optional (``pip install 'adaflash[bench]'``, built from source, about 20 minutes;
 ``scripts/peer_models.sh`` builds it and makes the GGUF files).
 
@@ -129,6 +131,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed short runs per engine first")
     ap.add_argument("--engines", nargs="+", default=None, help="subset of the engines")
     ap.add_argument("--drafter", default=None, help="drafter of adaflash-head (default: shipped)")
     ap.add_argument("--gguf-bf16", default=None)
@@ -165,6 +168,11 @@ def main() -> None:
         runners["llamacpp-q4_1"] = LlamaCppPeer(Path(args.gguf_q4), args.threads, max_b).run
     if args.engines:
         runners = {k: v for k, v in runners.items() if k in args.engines}
+    for b in args.batches:  # untimed: one-time costs (first steps after compiling, oneDNN kernels)
+        prompts = [encode_prompt(tok, texts[i % len(texts)], True) for i in range(b)]
+        for _ in range(args.warmup):
+            for run in runners.values():
+                run(prompts, 16)
     cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for rnd in range(args.rounds):
         for b in args.batches:
@@ -197,6 +205,7 @@ def main() -> None:
         "settings": {
             "new_tokens": args.new_tokens,
             "rounds": args.rounds,
+            "warmup_runs": args.warmup,
             "prompts": "workloads/chat_eval.jsonl, chat template",
             "drafter": repo_relative(drafter_dir) if drafter_dir else None,
             "compiled_decode": not args.no_compile,
