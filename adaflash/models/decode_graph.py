@@ -304,7 +304,7 @@ class DecodeGraph:
         try:
             # one function per key: the new tokens and the batch size stay static. Dynamo caches
             # them all under one code object (``DecodeStep.forward``), whose default limit of 8
-            # entries would send a ninth graph back to Python: room for every key
+            # entries would refuse a ninth graph: room for every key
             limit = torch._dynamo.config.recompile_limit
             torch._dynamo.config.recompile_limit = max(limit, 64)
             module = DecodeStep if batch == 1 else BatchDecodeStep

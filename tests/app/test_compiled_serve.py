@@ -32,8 +32,9 @@ def greedy(folder, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def compiling_server(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:  # one batched graph, not 4/8/16: minutes fewer
-        mp.setenv("ADAFLASH_BATCH_GRAPHS", "4")
+    with pytest.MonkeyPatch.context() as mp:  # one batched graph and one verification width,
+        mp.setenv("ADAFLASH_BATCH_GRAPHS", "4")  # not 4/8/16 each: minutes fewer
+        mp.setenv("ADAFLASH_VERIFY_GRAPHS", "4")
         s = start_server(tmp_path_factory.mktemp("compiled"), compile=True)
     yield s
     if s.proc.poll() is None:
