@@ -13,10 +13,10 @@ prompt, EOS ignored, so every engine does the same work):
   ``llama_decode`` per step for the whole batch (sequence ids), greedy argmax on its logits; each
   in a process of its own (``bench/llamacpp_peer.py``), which waits while the others run.
 
-Every engine first runs ``--warmup`` untimed short generations per batch size (the first steps
-after compiling paid a one-time cost: 25.5 tok/s in an untimed-warm-up-less round 0, 92–102 in
-the next). Rounds are interleaved (engine A, B, C, … then again), and each cell reports the
-median and the min/max over rounds. ``ms_per_step`` is wall time per decode step after the prefill.
+Every engine first runs ``--warmup`` untimed short generations per batch size (without them,
+the first batch-1 round after compiling ran at 25.5 tok/s, the next two at 101.6 and 92.2).
+Rounds are interleaved (engine A, B, C, … then again), and each cell reports the median and the
+min/max over rounds. ``ms_per_step`` is wall time per decode step after the prefill.
 llama.cpp is optional (``pip install 'adaflash[bench]'``, built from source, about 20 minutes;
 ``scripts/peer_models.sh`` builds it and makes the GGUF files).
 
