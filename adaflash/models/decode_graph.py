@@ -29,7 +29,7 @@ eager step beyond 4 tokens (AMX Xeon, one thread: 16 tokens 92 ms compiled vs 52
 Graphs are keyed by the captured layers — none for plain decoding, the drafter's for speculative
 serving (its plain steps keep the drafter's context) — by the new tokens per request (1: decode,
 or a verification width) and by the request count (1, or a batch size of ``batch_sizes``).
-Compiling one took 40–430 s on the machines here, in a background thread: until it is ready,
+Compiling one took 60–430 s on the machines here, in a background thread: until it is ready,
 and wherever it fails, the eager step serves. ``ADAFLASH_COMPILE=0`` or ``serve --no-compile``
 switches them all off, ``ADAFLASH_BATCH_GRAPHS=0`` the batched ones, ``ADAFLASH_VERIFY_GRAPHS=0``
 the verification ones.
