@@ -12,9 +12,9 @@ the first steps overwrite.
 A target pass of one request with few tokens is not on that line: it may run on a compiled graph
 (``models/decode_graph.py``: one token, or a verification padded up to a compiled width of 4, 8
 or 16) at a fraction of the eager cost, and one more token can cross to a wider graph or to the
-eager path. Those passes get a table
-instead, one running mean per token count; a count never measured is interpolated between its
-measured neighbours (above the largest, the line, but never below that largest's cost).
+eager path. Those passes get a table instead, one running mean per token count; a count never
+measured is interpolated between its measured neighbours (above the largest, the line, but never
+below that largest's cost).
 Plain passes of several requests (one token each: nobody verifies) may run on a compiled
 batched graph, at half the eager cost or less, so they get a table of their own too, by request
 count; a count not yet measured falls back to the line.

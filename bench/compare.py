@@ -31,8 +31,8 @@ adaptation; the engine's verify-width policies, each with three drafters.
 The drafters run in ``--dtype`` as `serve` runs them, and the target's one-request steps run on
 the compiled graphs `serve` builds (``models/decode_graph.py``: plain decode with and without the
 drafter's captured layers, verification padded up to 4 / 8 / 16 tokens, batched decode steps),
-compiled before any cell and timed
-apart (``compile_s``); ``--no-compile`` measures the eager steps instead.
+compiled before any cell and timed apart (``compile_s``); ``--no-compile`` measures the eager
+steps instead.
 
 Every run is a fresh engine, but its cost model and its policy's engine-wide acceptance profile
 carry over between the runs of the same (drafter, method, concurrency), across repeats and

@@ -194,7 +194,8 @@ class _Step(nn.Module):
 
 
 class DecodeStep(_Step):
-    """One request's step: T new tokens (decode: 1; verify: k̂) over its own KV-pool row."""
+    """One request's step: T new tokens (decode: 1; verify: a compiled width ≥ k̂, padded) over
+    its own KV-pool row."""
 
     def forward(
         self,

@@ -155,7 +155,7 @@ def test_one_request_passes_get_their_own_costs_and_the_policy_stays_on_the_chea
     for _ in range(30):
         for n, t in one.items():
             cost.observe_target(n, 1, t)
-        for reqs in (2, 4, 8):  # batched passes: eager, on a line
+        for reqs in (2, 4, 8):  # plain batched passes: a table of their own
             cost.observe_target(reqs, reqs, 0.030 + 0.002 * reqs)
         cost.observe_drafter(1, 0.004)
     assert abs(cost.target_s(4, 1) - 0.016) < 1e-6
