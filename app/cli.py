@@ -490,6 +490,77 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """A shifted-domain workload through the real API while the drafter adapts (app/demo.py)."""
+    from app.demo import DemoConfig
+    from app.demo import run as run_demo
+    from db.session import data_dir
+
+    cfg = DemoConfig(
+        url=args.url,
+        port=args.port,
+        prompts=args.prompts,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        versions=args.versions,
+        minutes=args.minutes,
+        settle_s=args.settle_s,
+        report_s=args.report_s,
+        keep_serving=args.keep_serving,
+        serve_args=tuple(args.serve_args),
+    )
+    try:
+        summary = run_demo(cfg, data_dir(), Path(args.out) if args.out else None)
+    except RuntimeError as exc:
+        print(f"adaflash: error: {exc}", file=sys.stderr)
+        return 1
+    if summary["requests_done"] == 0:
+        print(f"adaflash: error: no request was answered ({summary['stopped']})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from app.demo import DEFAULT_PROMPTS, DemoConfig
+
+    d = DemoConfig()
+    p = sub.add_parser(
+        "demo",
+        help="stream a new-domain workload (default: math) through the API and watch the "
+        "drafter adapt on the dashboard",
+        description="Starts `adaflash serve` (or uses a running server) and sends a steady "
+        "workload through its OpenAI API while the trainer adapts the drafter; prints τ, "
+        "verify length and tokens/s per window and per version. Flags after `--` go to "
+        "the server it starts.",
+    )
+    p.add_argument("--url", default=None, help="a running server (default: start one)")
+    p.add_argument("--port", type=int, default=d.port, help="port of the server it starts")
+    p.add_argument(
+        "--prompts",
+        default=str(DEFAULT_PROMPTS),
+        help="JSONL file, a 'prompt' per line (default: the math train prompts)",
+    )
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens per answer")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument(
+        "--versions", type=int, default=d.versions, help="stop after N new versions (0: never)"
+    )
+    p.add_argument("--minutes", type=float, default=d.minutes, help="stop after M minutes")
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=d.settle_s,
+        help="after the N-th new version, serve this long before stopping",
+    )
+    p.add_argument("--report-s", type=float, default=d.report_s, help="seconds between lines")
+    p.add_argument("--keep-serving", action="store_true", help="leave a server it started running")
+    p.add_argument("--out", default=None, help="write the summary JSON here")
+    p.add_argument("serve_args", nargs="*", help="after `--`: flags for `adaflash serve`")
+    p.set_defaults(func=cmd_demo)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from adaflash.engine.engine import bound_onednn_cache
 
@@ -500,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_train(sub)
     _add_trainer(sub)
     _add_serve(sub)
+    _add_demo(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)

@@ -37,12 +37,14 @@ the verification ones.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -295,7 +297,9 @@ class DecodeGraph:
 
     def _work(self) -> None:
         while True:
-            self._compile(self._queue.get())
+            key = self._queue.get()
+            with quick_gil_handoff():
+                self._compile(key)
 
     def _compile(self, key: Key) -> None:
         import torch._inductor.config as inductor
@@ -399,6 +403,37 @@ class DecodeGraph:
         self.steps += 1
         self.tokens += n
         return logits[:n], None if features is None else features[:n]
+
+
+# While a graph compiles in the background, the compiler runs Python nonstop on its thread, and
+# the eager step serving meanwhile — ~2,500 ops, each releasing the GIL and waiting to take it
+# back — waits up to the interpreter's switch interval (5 ms) per op: an eager SmolLM2 step took
+# 4.7 s instead of 30 ms (153×; AMD EPYC, AVX2, 2 threads). With a 10 µs interval while a graph
+# compiles: 0.26 s (7×): slow, but serving (bench/compile_contention.py,
+# docs/results/engine/compile_contention.json). Compiling in another process would remove it.
+COMPILE_SWITCH_S = 1e-5
+_handoff_lock = threading.Lock()
+_handoff_users = 0
+_handoff_saved = 0.0
+
+
+@contextlib.contextmanager
+def quick_gil_handoff() -> Iterator[None]:
+    """A switch interval of ``COMPILE_SWITCH_S`` for as long as any compile runs (process-wide;
+    the one it replaced comes back after the last)."""
+    global _handoff_users, _handoff_saved
+    with _handoff_lock:
+        if _handoff_users == 0:
+            _handoff_saved = sys.getswitchinterval()
+            sys.setswitchinterval(COMPILE_SWITCH_S)
+        _handoff_users += 1
+    try:
+        yield
+    finally:
+        with _handoff_lock:
+            _handoff_users -= 1
+            if _handoff_users == 0:
+                sys.setswitchinterval(_handoff_saved)
 
 
 def compile_now(
