@@ -156,7 +156,7 @@ class Load:
 
     url: str
     model: str
-    prompts: list[str]
+    prompts: list[tuple[str, str]]  # (text, domain tag: the dashboard's per-domain τ)
     cfg: DemoConfig
     done: int = 0
     failed: int = 0
@@ -184,12 +184,13 @@ class Load:
         with httpx.Client(base_url=self.url, timeout=600.0) as client:
             while not self._stop.is_set():
                 with self._lock:
-                    prompt = self.prompts[next(self._next) % len(self.prompts)]
+                    prompt, domain = self.prompts[next(self._next) % len(self.prompts)]
                 body = {
                     "model": self.model,
                     "messages": [{"role": "user", "content": prompt}],
                     "max_tokens": self.cfg.max_tokens,
                     "temperature": self.cfg.temperature,
+                    "domain": domain,
                 }
                 try:
                     r = client.post("/v1/chat/completions", json=body)
@@ -199,10 +200,10 @@ class Load:
                 if r.status_code == 200:
                     with self._lock:
                         self.done += 1
-                elif 400 <= r.status_code < 500:
+                elif 400 <= r.status_code < 500 and r.status_code not in (408, 429):
                     self.refused = f"HTTP {r.status_code}: {r.text[:300]}"
                     self._stop.set()
-                else:
+                else:  # busy or failing: count it, wait, go on
                     self._fail(f"HTTP {r.status_code}: {r.text[:300]}")
 
     def _fail(self, message: str) -> None:
@@ -254,7 +255,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 def run(cfg: DemoConfig, data_dir: Path, out: Path | None = None) -> dict:
     """The demo; returns (and with ``out`` writes) its summary. Raises ValueError on a bad
     prompt file and RuntimeError when no server can be reached or started."""
-    prompts = [p.prompt for p in read_prompt_file(cfg.prompts)]  # refuse a bad file first
+    # refuse a bad file first; a row's domain (else the file's name) tags its requests
+    prompts = [(p.prompt, p.domain[:32]) for p in read_prompt_file(cfg.prompts)]
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns the report
     url = (cfg.url or f"http://127.0.0.1:{cfg.port}").rstrip("/")
     proc = None
@@ -282,7 +284,7 @@ def metrics(client: httpx.Client) -> Snapshot:
     return Snapshot.parse(r.text, time.time())
 
 
-def drive(cfg: DemoConfig, url: str, prompts: list[str], out: Path | None) -> dict:
+def drive(cfg: DemoConfig, url: str, prompts: list[tuple[str, str]], out: Path | None) -> dict:
     with httpx.Client(base_url=url, timeout=30.0) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
         first = metrics(client)

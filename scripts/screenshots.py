@@ -2,8 +2,11 @@
 
 Starts the server (fresh data folder, admin token), sends a few chats through the OpenAI API so
 the dashboard has data, then drives Debian's Chromium with Playwright through the three tabs.
+With ``--adaptation URL`` it instead photographs the Dashboard of a server that `adaflash demo`
+is driving (60-minute window: the version markers so far) as ``adaptation.png``.
 
     python scripts/screenshots.py [--out docs/screenshots]
+    python scripts/screenshots.py --adaptation http://127.0.0.1:8000
 """
 
 from __future__ import annotations
@@ -28,13 +31,44 @@ QUESTIONS = [
 ]
 
 
+BROWSER_ARGS = [
+    "--no-sandbox",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-gpu",
+]
+
+
+def adaptation(url: str, path: Path) -> None:
+    """The Dashboard of a running server over the last 60 minutes."""
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=BROWSER_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        page.set_default_timeout(300_000)
+        page.goto(url.rstrip("/") + "/ui/")
+        page.get_by_role("tab", name="Dashboard").click()
+        page.locator("#plot-timeline").scroll_into_view_if_needed()
+        page.get_by_label("Window").click()
+        page.get_by_role("option", name="60 min").click()
+        expect(page.locator("#dash-summary")).to_contain_text("last 60 min")
+        time.sleep(5)  # a timer tick or two: the plots redrawn for the window
+        page.screenshot(path=str(path), full_page=True)
+        browser.close()
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="docs/screenshots")
     ap.add_argument("--port", type=int, default=8631)
+    ap.add_argument("--adaptation", metavar="URL", help="photograph this server's Dashboard")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.adaptation:
+        adaptation(args.adaptation, out / "adaptation.png")
+        return
     data = Path(tempfile.mkdtemp(prefix="adaflash-shots-"))
     env = {**os.environ, "ADAFLASH_DATA": str(data)}
     proc = subprocess.Popen(
@@ -71,16 +105,7 @@ def main() -> None:
                 },
             )
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(
-                executable_path="/usr/bin/chromium",
-                args=[
-                    "--no-sandbox",
-                    "--disable-dev-shm-usage",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                    "--disable-gpu",
-                ],
-            )
+            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=BROWSER_ARGS)
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             page.set_default_timeout(300_000)
             page.goto(url + "/ui/")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ def demo(tmp: Path, *args: str, timeout: float = 300) -> subprocess.CompletedPro
 
 def prompt_file(tmp: Path) -> Path:
     path = tmp / "prompts.jsonl"
-    rows = [{"prompt": p} for p in ("What is 2 + 2?", "Name a prime.", "Count to five.")]
+    rows = [{"prompt": p, "domain": "quiz"} for p in ("What is 2 + 2?", "Name a prime.", "Count.")]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -58,6 +59,10 @@ def test_demo_starts_a_server_and_watches_new_versions_go_live(tmp_path):
     assert served[0] == "v0000" and len(served) >= 3 and len(set(served)) == len(served)
     assert summary["overall"]["output_tokens"] > 0 and summary["overall"]["accept_len"] >= 1.0
     assert "now serving v0001" in r.stdout and "| version |" in r.stdout
+    # requests carry the file's domain: the dashboard's per-domain τ shows it
+    db = sqlite3.connect(tmp_path / "data" / "adaflash.db")
+    assert {d for (d,) in db.execute("select distinct domain from round_stats")} == {"quiz"}
+    db.close()
     # the server it started is gone, its log kept
     assert (tmp_path / "data" / "demo-serve.log").is_file()
     try:
