@@ -1,22 +1,30 @@
-"""Online adaptation demo: the chat-only drafter learns math while it serves (paper Fig. 2a).
+"""Online adaptation proof: a drafter that never saw math learns it while serving (paper Fig. 2a,
+Table 2). For each arm (OPD = AdaFlash's loss, OSD = forward-KL baseline) and each repeat:
 
-For each arm (OPD = AdaFlash's loss, OSD = forward-KL baseline), in one run:
-
-1. a fresh SQLite buffer and weights folder; the shipped drafter registered as ``v0000``;
-2. the engine serves math train prompts in chunks (greedy, concurrency ``--concurrency``); its
-   records flow through the bounded queue and the writer into the buffer;
+1. a fresh SQLite buffer and weights folder; the shipped drafter (chat + code only) registered
+   as ``v0000``;
+2. the engine serves math train prompts in chunks of ``--chunk`` (greedy, concurrency
+   ``--concurrency``, the ``head`` policy for OPD as AdaFlash serves, ``fixed`` for OSD as
+   DFlash/OSD serve); its records flow through the bounded queue and the writer into the buffer.
+   Each repeat serves the prompts in its own seeded order, and its trainer trains with its seed;
 3. a real ``adaflash trainer`` process (own process, 1 thread) trains when ``--chunk`` new
    trajectories exist, publishes a version, gates it, and promotes or rejects it;
 4. the engine hot-swaps each promoted version (``VersionWatcher``) between steps;
-5. after every round, the serving drafter is measured on held-out math eval prompts and on chat
-   eval prompts (forgetting): τ and tokens/s with the ``fixed`` policy (drafter quality, the
-   DFlash/OSD way of serving) and with the ``head`` policy (AdaFlash).
+5. after every round, the serving drafter is measured on held-out eval prompts: τ with the
+   ``fixed`` policy on math, chat and code (drafter quality; chat and code show forgetting), and
+   on math tokens/s with the default ``cost`` policy, and τ / tokens/s with the ``head`` policy
+   twice — the version's own (refitted) length head, and the head frozen at ``v0000``'s offline
+   fit on the same drafter (the paper's Table 2 point).
 
 Serving and training are serialized here (serve a chunk, then wait for the round) so the per-
 version numbers are not disturbed by the trainer sharing the two CPU cores; ``adaflash serve``
-runs them concurrently. Writes ``adapt.json`` and ``adapt.png`` under ``--out``.
+runs them concurrently (``adaflash demo`` shows that live). Per-prompt τ is kept, so the summary
+gives OPD − OSD at the last version with a 95% bootstrap interval over (repeat, prompt) units,
+and each arm's math gain and chat / code change against ``v0000``. Writes ``adapt.json`` and
+``adapt.png`` under ``--out``.
 
-    python bench/demo_adapt.py --out docs/results/adapt
+    python bench/demo_adapt.py --out docs/results/adapt           # hours on two CPU cores
+    python bench/demo_adapt.py --quick --out /tmp/adapt-smoke     # the pipeline, minutes
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -38,6 +47,7 @@ from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import QueueSink
 from adaflash.hardware import cpu_info
+from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import REPO, repo_relative
 from adaflash.pull import resolve_target
@@ -49,6 +59,42 @@ from db.registry import Registry
 from db.runs import list_runs
 from db.session import make_engine, migrate
 
+EVAL_DOMAINS = ("math", "chat", "code")
+
+
+def run_policy(
+    target: TargetModel,
+    drafter: DFlashDrafter | None,
+    version: str,
+    policy: str,
+    prompts: list[list[int]],
+    tok: Tokenizer,
+    args: argparse.Namespace,
+) -> dict:
+    """One eval pass: τ overall and per prompt, verify length, tokens/s."""
+    engine = Engine(
+        target,
+        drafter,
+        EngineConfig(
+            policy=policy if drafter is not None else "ar",
+            max_running_requests=args.concurrency,
+            max_batch_tokens=16 * args.concurrency,
+        ),
+        drafter_version=version,
+        eos_token_ids=tok.eos_token_ids,
+    )
+    t0 = time.perf_counter()
+    records = engine.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
+    wall = time.perf_counter() - t0
+    c = engine.counters
+    return {
+        "accept_len": round(c.accept_len, 4),
+        "verify_len": round(c.verify_len, 4),
+        "tokens_per_s": round(engine.stats.output_tokens / wall, 2),
+        # τ of each prompt: the unit the bootstrap resamples
+        "per_prompt": [round((r.accepted + r.rounds) / max(r.rounds, 1), 4) for r in records],
+    }
+
 
 def measure(
     target: TargetModel,
@@ -58,72 +104,37 @@ def measure(
     prompts: dict[str, list[list[int]]],
     args: argparse.Namespace,
 ) -> dict:
-    """τ and tokens/s of one version on each eval domain, for the fixed and head policies."""
-    out: dict = {}
+    """A version on the eval prompts: fixed-policy τ per domain; on math also the default
+    policy's tokens/s and the head policy with the version's head and with v0000's."""
     drafter = registry.load(version, args.dtype)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    for domain, plist in prompts.items():
-        for policy in ("fixed", "head"):
-            engine = Engine(
-                target,
-                drafter,
-                EngineConfig(
-                    policy=policy,
-                    max_running_requests=args.concurrency,
-                    max_batch_tokens=16 * args.concurrency,
-                ),
-                drafter_version=version,
-                eos_token_ids=tok.eos_token_ids,
-            )
-            t0 = time.perf_counter()
-            engine.generate(plist, params)
-            wall = time.perf_counter() - t0
-            c = engine.counters
-            out[f"{domain}/{policy}"] = {
-                "accept_len": round(c.accept_len, 4),
-                "verify_len": round(c.verify_len, 4),
-                "acceptance_rate": round(c.acceptance_rate, 4),
-                "tokens_per_s": round(engine.stats.output_tokens / wall, 2),
-            }
-    return out
-
-
-def measure_ar(
-    target: TargetModel,
-    tok: Tokenizer,
-    prompts: dict[str, list[list[int]]],
-    args: argparse.Namespace,
-) -> dict:
-    out = {}
-    for domain, plist in prompts.items():
-        engine = Engine(
-            target,
-            None,
-            EngineConfig(policy="ar", max_running_requests=args.concurrency),
-            eos_token_ids=tok.eos_token_ids,
-        )
-        t0 = time.perf_counter()
-        engine.generate(plist, SamplingParams(max_new_tokens=args.max_new_tokens))
-        out[f"{domain}/ar"] = {
-            "tokens_per_s": round(engine.stats.output_tokens / (time.perf_counter() - t0), 2)
-        }
+    out = {
+        f"{d}/fixed": run_policy(target, drafter, version, "fixed", prompts[d], tok, args)
+        for d in EVAL_DOMAINS
+    }
+    math = prompts["math"]
+    out["math/cost"] = run_policy(target, drafter, version, "cost", math, tok, args)
+    out["math/head"] = run_policy(target, drafter, version, "head", math, tok, args)
+    frozen = registry.load("v0000", args.dtype).length_head
+    drafter.length_head = frozen  # the same drafter, the head as fitted offline
+    out["math/head-frozen"] = run_policy(target, drafter, version, "head", math, tok, args)
     return out
 
 
 def run_arm(
     loss: str,
+    repeat: int,
     target_dir: Path,
     target: TargetModel,
     tok: Tokenizer,
     eval_prompts: dict[str, list[list[int]]],
     args: argparse.Namespace,
 ) -> dict:
-    work = Path(tempfile.mkdtemp(prefix=f"adapt-{loss}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"adapt-{loss}-{repeat}-"))
     url = f"sqlite:///{work / 'buffer.db'}"
     db = make_engine(url)
     migrate(db)
     registry = Registry(db, work / "weights")
-    registry.register_folder(Path(args.drafter), "v0000", note="shipped chat-only drafter")
+    registry.register_folder(Path(args.drafter), "v0000", note="shipped chat + code drafter")
     sink = QueueSink(maxsize=100_000)
     writer = BufferWriter(db, sink)
     writer.start()
@@ -141,38 +152,19 @@ def run_arm(
     )
     watcher = VersionWatcher(engine, registry, args.dtype, poll_s=1.0)
     log_file = (work / "trainer.log").open("w")  # closed when the arm ends
+    trainer_cmd = [sys.executable, "-m", "app.cli", "trainer", "--database-url", url]
+    trainer_cmd += ["--weights-dir", str(work / "weights"), "--target", str(target_dir)]
+    trainer_cmd += ["--min-new", str(args.chunk), "--loss", loss, "--epochs", str(args.epochs)]
+    trainer_cmd += ["--anchors", str(args.anchors), "--seed", str(repeat), "--threads", "1"]
+    trainer_cmd += ["--poll-s", "3", "--nice", "0"]
     trainer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "trainer",
-            "--database-url",
-            url,
-            "--weights-dir",
-            str(work / "weights"),
-            "--target",
-            str(target_dir),
-            "--min-new",
-            str(args.chunk),
-            "--loss",
-            loss,
-            "--epochs",
-            str(args.epochs),
-            "--anchors",
-            str(args.anchors),
-            "--threads",
-            "1",
-            "--poll-s",
-            "3",
-            "--nice",
-            "0",
-        ],
+        trainer_cmd,
         stdout=log_file,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     math_train = [encode_prompt(tok, p.prompt, chat=True) for p in load_prompts("math", "train")]
+    random.Random(repeat).shuffle(math_train)  # each repeat its own order of the train prompts
     versions = [
         {
             "round": 0,
@@ -181,15 +173,13 @@ def run_arm(
             **measure(target, registry, "v0000", tok, eval_prompts, args),
         }
     ]
-    print(f"[{loss}] v0000 {json.dumps(versions[-1])}", flush=True)
+    print(f"[{loss} #{repeat}] v0000 {brief(versions[-1])}", flush=True)
     served = 0
     try:
         for rnd in range(1, args.versions + 1):
             chunk = math_train[served : served + args.chunk]
             served += len(chunk)
-            t0 = time.perf_counter()
             engine.generate(chunk, SamplingParams(max_new_tokens=args.max_new_tokens))
-            serve_s = time.perf_counter() - t0
             writer.flush(60)
             done = len([r for r in list_runs(db) if r.status in ("succeeded", "failed", "skipped")])
             deadline = time.time() + args.round_timeout_min * 60
@@ -215,14 +205,11 @@ def run_arm(
                 "gate": newest.metrics.get("gate"),
                 "train_seconds": run.seconds,
                 "samples": run.samples,
-                "serve_tokens_per_s": round(engine.stats.output_tokens / max(serve_s, 1e-9), 2)
-                if rnd == 1
-                else None,
                 "final_draft_loss": (newest.metrics.get("train") or {}).get("final_draft_loss"),
                 **measure(target, registry, active.id, tok, eval_prompts, args),
             }
             versions.append(row)
-            print(f"[{loss}] round {rnd}: {json.dumps(row)}", flush=True)
+            print(f"[{loss} #{repeat}] round {rnd}: {brief(row)}", flush=True)
     finally:
         trainer.terminate()
         trainer.wait(30)
@@ -230,10 +217,77 @@ def run_arm(
         writer.stop(30)
     return {
         "loss": loss,
+        "repeat": repeat,
         "versions": versions,
         "queue_dropped": sink.dropped,
         "swaps": watcher.swapped,
     }
+
+
+def brief(row: dict) -> str:
+    cells = [f"{k.split('/')[0]} τ {row[k]['accept_len']:.3f}" for k in row if k.endswith("/fixed")]
+    cells += [
+        f"{k} {row[k]['tokens_per_s']:.1f} tok/s τ {row[k]['accept_len']:.3f}"
+        for k in ("math/cost", "math/head", "math/head-frozen")
+    ]
+    return f"{row['version']} ({row['status']}): " + ", ".join(cells)
+
+
+def bootstrap(
+    a: list[list[float]], b: list[list[float]] | None = None, n: int = 4000, seed: int = 0
+) -> tuple[float, float, float]:
+    """Mean of ``a`` (minus mean of ``b``) and its 95% interval, resampling repeats and then
+    prompts within each repeat (the two levels of noise: training seed and eval prompt)."""
+
+    def mean(groups: list[list[float]]) -> float:
+        flat = [x for g in groups for x in g]
+        return sum(flat) / len(flat)
+
+    def draw(groups: list[list[float]], rng: random.Random) -> list[list[float]]:
+        picked = [groups[rng.randrange(len(groups))] for _ in groups]
+        return [[g[rng.randrange(len(g))] for _ in g] for g in picked]
+
+    rng = random.Random(seed)
+    point = mean(a) - (mean(b) if b else 0.0)
+    stats = sorted(mean(draw(a, rng)) - (mean(draw(b, rng)) if b else 0.0) for _ in range(n))
+    return round(point, 4), round(stats[int(0.025 * n)], 4), round(stats[int(0.975 * n) - 1], 4)
+
+
+def summarize(arms: list[dict]) -> dict:
+    """Per arm: math τ gain and chat / code change at the last version vs v0000 (relative, with
+    intervals); OPD − OSD on math τ at the last version; head refitted vs frozen."""
+    out: dict = {}
+    by_loss: dict[str, list[dict]] = {}
+    for arm in arms:
+        by_loss.setdefault(arm["loss"], []).append(arm)
+    for loss, runs in by_loss.items():
+        first = [r["versions"][0] for r in runs]
+        last = [r["versions"][-1] for r in runs]
+        row: dict = {"repeats": len(runs), "versions": len(runs[0]["versions"]) - 1}
+        for d in EVAL_DOMAINS:
+            key = f"{d}/fixed"
+            base = sum(v[key]["accept_len"] for v in first) / len(first)
+            diff = bootstrap(
+                [v[key]["per_prompt"] for v in last], [v[key]["per_prompt"] for v in first]
+            )
+            row[f"{d}_tau_v0"] = round(base, 4)
+            row[f"{d}_tau_last"] = round(sum(v[key]["accept_len"] for v in last) / len(last), 4)
+            row[f"{d}_tau_change"] = [round(x / base, 4) for x in diff]  # relative, 95% interval
+        for key in ("math/cost", "math/head", "math/head-frozen"):
+            row[f"{key}_tokens_per_s"] = [
+                [v[key]["tokens_per_s"] for v in r["versions"]] for r in runs
+            ]
+        row["head_refit_minus_frozen_tau"] = bootstrap(
+            [v["math/head"]["per_prompt"] for v in last],
+            [v["math/head-frozen"]["per_prompt"] for v in last],
+        )
+        out[loss] = row
+    if "opd" in by_loss and "osd" in by_loss:
+        out["opd_minus_osd_math_tau"] = bootstrap(
+            [r["versions"][-1]["math/fixed"]["per_prompt"] for r in by_loss["opd"]],
+            [r["versions"][-1]["math/fixed"]["per_prompt"] for r in by_loss["osd"]],
+        )
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
@@ -242,35 +296,35 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    colors = {"opd": "#2e7d32", "osd": "#1565c0"}
     for arm in result["arms"]:
         rounds = [v["round"] for v in arm["versions"]]
-        for ax, key, label in (
-            (axes[0], "math/fixed", "math τ (fixed k=16)"),
-            (axes[1], "chat/fixed", "chat τ (fixed k=16)"),
-        ):
+        label = f"{arm['loss'].upper()} #{arm['repeat']}"
+        style = {"color": colors.get(arm["loss"]), "marker": "o", "alpha": 0.8}
+        for ax, domain in zip(axes[:3], EVAL_DOMAINS, strict=True):
             ax.plot(
                 rounds,
-                [v[key]["accept_len"] for v in arm["versions"]],
-                marker="o",
-                label=arm["loss"].upper(),
+                [v[f"{domain}/fixed"]["accept_len"] for v in arm["versions"]],
+                label=label,
+                **style,
             )
-            ax.set_title(label)
-        axes[2].plot(
+            ax.set_title(f"{domain} τ (fixed k)")
+        axes[3].plot(
             rounds,
-            [v["math/head"]["tokens_per_s"] for v in arm["versions"]],
-            marker="o",
-            label=f"{arm['loss'].upper()} (head policy)",
+            [v["math/cost"]["tokens_per_s"] for v in arm["versions"]],
+            label=f"{label} (cost policy)",
+            **style,
         )
     ar = result.get("ar", {}).get("math/ar", {}).get("tokens_per_s")
     if ar:
-        axes[2].axhline(ar, color="gray", ls="--", label="plain AR")
-    axes[2].set_title("math tokens/s")
+        axes[3].axhline(ar, color="gray", ls="--", label="plain AR")
+    axes[3].set_title("math tokens/s, default policy")
     for ax in axes:
         ax.set_xlabel("training round (version)")
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("Online adaptation of the chat-only drafter to math (SmolLM2-135M, CPU)")
+        ax.legend(fontsize=7)
+    fig.suptitle("Online adaptation of the chat + code drafter to math (SmolLM2-135M, CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -280,8 +334,9 @@ def main() -> None:
     ap.add_argument("--drafter", default=str(REPO / "assets" / "drafters" / DEFAULT_DRAFTER))
     ap.add_argument("--target", default=None)
     ap.add_argument("--arms", nargs="+", default=["opd", "osd"])
+    ap.add_argument("--repeats", type=int, default=2, help="seeds per arm (own prompt order)")
     ap.add_argument("--versions", type=int, default=5)
-    ap.add_argument("--chunk", type=int, default=64, help="math prompts served per round")
+    ap.add_argument("--chunk", type=int, default=24, help="math prompts served per round")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--eval-prompts", type=int, default=8)
@@ -289,8 +344,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--round-timeout-min", type=float, default=40)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 1 version, 2 eval prompts")
     ap.add_argument("--out", default="docs/results/adapt")
     args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.versions, args.eval_prompts, args.max_new_tokens = 1, 1, 2, 32
     torch.set_num_threads(1)  # the other core belongs to the trainer process
     target_dir = resolve_target(args.target)
     target = load_target(target_dir, args.dtype)
@@ -300,23 +358,26 @@ def main() -> None:
             encode_prompt(tok, p.prompt, chat=True)
             for p in load_prompts(d, "eval", args.eval_prompts)
         ]
-        for d in ("math", "chat")
+        for d in EVAL_DOMAINS
     }
     result = {
         "benchmark": "bench/demo_adapt.py",
         "args": {**vars(args), "drafter": repo_relative(args.drafter)},
         "machine": {"platform": platform.platform(), "cpu": cpu_info(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "ar": measure_ar(target, tok, eval_prompts, args),
+        "ar": {"math/ar": run_policy(target, None, "none", "ar", eval_prompts["math"], tok, args)},
         "arms": [],
     }
-    print(f"ar {json.dumps(result['ar'])}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for loss in args.arms:
-        result["arms"].append(run_arm(loss, target_dir, target, tok, eval_prompts, args))
-        (out / "adapt.json").write_text(json.dumps(result, indent=2) + "\n")
+    for repeat in range(args.repeats):  # arms interleaved: a slow phase hits both
+        for loss in args.arms:
+            arm = run_arm(loss, repeat, target_dir, target, tok, eval_prompts, args)
+            result["arms"].append(arm)
+            result["summary"] = summarize(result["arms"])
+            (out / "adapt.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out / "adapt.png")
+    print(json.dumps(result["summary"], indent=1))
     print(f"wrote {out / 'adapt.json'} and {out / 'adapt.png'}")
 
 

@@ -1,0 +1,77 @@
+"""bench/demo_adapt.py's pure parts: the bootstrap interval and the summary of the arms."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "bench" / "demo_adapt.py"
+
+
+@pytest.fixture(scope="module")
+def adapt() -> Iterator[ModuleType]:
+    spec = importlib.util.spec_from_file_location("bench_demo_adapt", PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_bootstrap_interval_holds_the_difference_and_separates_clear_cases(adapt):
+    a = [[2.0, 2.1, 1.9, 2.0], [2.2, 1.8, 2.0, 2.0]]
+    b = [[1.0, 1.1, 0.9, 1.0], [1.2, 0.8, 1.0, 1.0]]
+    point, lo, hi = adapt.bootstrap(a, b)
+    assert point == pytest.approx(1.0) and lo <= point <= hi and lo > 0.5
+    same, lo, hi = adapt.bootstrap(a, a)
+    assert same == 0.0 and lo < 0 < hi  # the same data: the interval straddles zero
+    # one noisy repeat widens the interval: the repeat level is resampled too
+    _, lo2, hi2 = adapt.bootstrap([[2.0] * 4, [4.0] * 4], b)
+    assert hi2 - lo2 > hi - lo
+
+
+def version(rnd, math, chat, code, tps=10.0):
+    def cell(values, t=tps):
+        return {"accept_len": sum(values) / len(values), "tokens_per_s": t, "per_prompt": values}
+
+    return {
+        "round": rnd,
+        "version": f"v{rnd:04d}",
+        "status": "active",
+        "math/fixed": cell(math),
+        "chat/fixed": cell(chat),
+        "code/fixed": cell(code),
+        "math/cost": cell(math),
+        "math/head": cell([m + 0.1 for m in math]),
+        "math/head-frozen": cell(math),
+    }
+
+
+def test_summary_reports_gain_forgetting_and_arm_difference(adapt):
+    arms = [
+        {
+            "loss": loss,
+            "repeat": r,
+            "versions": [
+                version(0, [1.0, 1.2], [1.5, 1.5], [1.4, 1.6]),
+                version(1, [1.0 + gain, 1.2 + gain], [1.5, 1.4], [1.4, 1.6]),
+            ],
+        }
+        for r in range(2)
+        for loss, gain in (("opd", 0.6), ("osd", 0.3))
+    ]
+    s = adapt.summarize(arms)
+    assert s["opd"]["repeats"] == 2 and s["opd"]["versions"] == 1
+    assert s["opd"]["math_tau_change"][0] == pytest.approx(0.6 / 1.1, abs=1e-3)  # +55%
+    assert s["osd"]["math_tau_change"][0] == pytest.approx(0.3 / 1.1, abs=1e-3)
+    assert s["opd"]["chat_tau_change"][0] == pytest.approx(-0.05 / 1.5, abs=1e-3)
+    assert s["opd"]["code_tau_change"][0] == pytest.approx(0.0)
+    assert s["opd_minus_osd_math_tau"][0] == pytest.approx(0.3)
+    assert s["opd"]["head_refit_minus_frozen_tau"][0] == pytest.approx(0.1)
+    assert s["opd"]["math/cost_tokens_per_s"] == [[10.0, 10.0], [10.0, 10.0]]
