@@ -51,7 +51,7 @@ def adaptation(url: str, path: Path) -> None:
         page.locator("#plot-timeline").scroll_into_view_if_needed()
         page.get_by_label("Window").click()
         page.get_by_role("option", name="60 min").click()
-        expect(page.locator("#dash-summary")).to_contain_text("last 60 min")
+        expect(page.locator("#dash-summary")).to_contain_text("last 60 min", timeout=180_000)
         time.sleep(5)  # a timer tick or two: the plots redrawn for the window
         page.screenshot(path=str(path), full_page=True)
         browser.close()
