@@ -24,7 +24,9 @@ One request verifying several tokens takes a graph of a static width (``verify_w
 4, 8 and 16 by default), padded up to the next one: the pads come after the real tokens, so the
 causal mask keeps them out of the real tokens' outputs, and their keys/values are dropped. A
 static width lets the GEMMs tune for their row count; with the count dynamic they lost to the
-eager step beyond 4 tokens (AMX Xeon, one thread: 16 tokens 92 ms compiled vs 52 ms eager).
+eager step beyond 4 tokens (AMX Xeon, one thread: 16 tokens 92 ms compiled vs 52 ms eager). On
+a CPU without native bf16, graphs of 8 tokens or more multiply with fp32 copies of the weights
+(``widen``): 16 tokens 56.7 ms instead of 121.8 (AVX2 AMD EPYC, 2 threads).
 
 Graphs are keyed by the captured layers — none for plain decoding, the drafter's for speculative
 serving (its plain steps keep the drafter's context) — by the new tokens per request (1: decode,
@@ -51,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash.hardware import cpu_flags
+from adaflash.hardware import cpu_flags, native_bf16
 from adaflash.models.layers import apply_rope
 
 if TYPE_CHECKING:
@@ -90,6 +92,19 @@ def batch_sizes(max_requests: int) -> tuple[int, ...]:
     )
 
 
+def widen(dtype: torch.dtype, tokens: int) -> bool:
+    """Whether a one-request graph of ``tokens`` new tokens multiplies with fp32 copies of bf16
+    weights: on a CPU without native bf16, from ``ADAFLASH_WIDEN_TOKENS`` tokens (default 8;
+    ``0`` never). There inductor's bf16 GEMM widens the weights again for every few rows and
+    turns compute-bound: 30 layers of SwiGLU MLP over 16 rows took 64.7 ms in bf16 against
+    35.8 ms with fp32 weights (10.0 vs 16.7 ms for one row, 17.7 vs 17.3 for four; AVX2 AMD
+    EPYC, 2 threads). The fp32 copies cost memory: ~540 MB per widened graph."""
+    if dtype != torch.bfloat16 or native_bf16():
+        return False
+    least = int(os.environ.get("ADAFLASH_WIDEN_TOKENS", "8"))
+    return least > 0 and tokens >= least
+
+
 def compile_enabled() -> bool:
     return os.environ.get("ADAFLASH_COMPILE", "1") != "0"
 
@@ -125,9 +140,11 @@ class _Step(nn.Module):
     """The target's layers written for the compiler, over B requests × T new tokens each. Shares
     the target's weights (fused q|k|v and gate|up where the target fused them)."""
 
-    def __init__(self, target: TargetModel, capture: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, target: TargetModel, capture: tuple[int, ...] = (), widen: bool = False
+    ) -> None:
         super().__init__()
-        self.target, self.capture = target, capture
+        self.target, self.capture, self.widen = target, capture, widen
         self.qkv = nn.ParameterList()
         self.gate_up = nn.ParameterList()
         for layer in cast("list[DecoderLayer]", target.layers):
@@ -163,7 +180,7 @@ class _Step(nn.Module):
             a, m = layer.self_attn, layer.mlp
             nh, kvh, d = a.heads, a.kv_heads, a.head_dim
             g = nh // kvh
-            qkv = F.linear(layer.input_layernorm(x), self.qkv[i], a.qkv_bias)
+            qkv = self.linear(layer.input_layernorm(x), self.qkv[i], a.qkv_bias)
             q, k, v = qkv.split([nh * d, kvh * d, kvh * d], dim=-1)
             q, k, v = q.view(b * n, nh, d), k.view(b * n, kvh, d), v.view(b * n, kvh, d)
             if a.q_norm is not None and a.k_norm is not None:
@@ -183,16 +200,23 @@ class _Step(nn.Module):
             p = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)  # (B,kvh,g,T,cap+T)
             o = torch.matmul(p[..., :cap], values) + torch.matmul(p[..., cap:], vn)
             o = o.permute(0, 3, 1, 2, 4).reshape(b * n, nh * d).to(x.dtype)  # (B·T, nh·d)
-            x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
+            x = x + self.linear(o, a.o_proj.weight, a.o_proj.bias)
             h = layer.post_attention_layernorm(x)
-            gate, up = F.linear(h, self.gate_up[i], m.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias)
+            gate, up = self.linear(h, self.gate_up[i], m.gate_up_bias).chunk(2, dim=-1)
+            x = x + self.linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias)
             if i in self.capture:
                 captured[i] = x
-        logits = F.linear(t.norm(x), t.lm_head.weight).float()  # (B·T, V)
+        logits = self.linear(t.norm(x), t.lm_head.weight, None).float()  # (B·T, V)
         features = torch.cat([captured[i] for i in self.capture], -1) if self.capture else None
         # (B·T, V), (layers, 2, B, T, kv_heads, d), (B·T, K·H)
         return logits, torch.stack(new_kv), features
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear``; widened, the weights are fp32 (folded into fp32 constants when the
+        graph freezes them) and the product is rounded back to the activations' dtype."""
+        if not self.widen:
+            return F.linear(x, w, b)
+        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
 class DecodeStep(_Step):
@@ -313,7 +337,8 @@ class DecodeGraph:
             limit = torch._dynamo.config.recompile_limit
             torch._dynamo.config.recompile_limit = max(limit, 64)
             module = DecodeStep if batch == 1 else BatchDecodeStep
-            fn = torch.compile(module(self.target, capture).eval(), fullgraph=True)
+            step = module(self.target, capture, widen(self.target.dtype, n if batch == 1 else 1))
+            fn = torch.compile(step.eval(), fullgraph=True)
             c, dev = self.target.cfg, self.target.device
             with inductor.patch(options(dev)):
                 # two capacities (and pool rows) check that the dynamic dims hold

@@ -212,6 +212,44 @@ def test_gemms_are_autotuned_except_where_onednn_multiplies_bf16_natively(monkey
         assert decode_graph.autotune() is not tuned
 
 
+def test_wide_bf16_graphs_multiply_with_fp32_weights_where_bf16_is_not_native(monkeypatch):
+    for native, dtype, tokens, env, wide in (
+        (False, torch.bfloat16, 16, None, True),
+        (False, torch.bfloat16, 8, None, True),
+        (False, torch.bfloat16, 4, None, False),  # few rows: bf16 streams half the bytes
+        (False, torch.bfloat16, 16, "0", False),  # switched off
+        (False, torch.bfloat16, 4, "4", True),
+        (True, torch.bfloat16, 16, None, False),  # native bf16 multiplies bf16 itself
+        (False, torch.float32, 16, None, False),  # fp32 weights already
+    ):
+        monkeypatch.setattr(decode_graph, "native_bf16", lambda native=native: native)
+        if env is None:
+            monkeypatch.delenv("ADAFLASH_WIDEN_TOKENS", raising=False)
+        else:
+            monkeypatch.setenv("ADAFLASH_WIDEN_TOKENS", env)
+        assert decode_graph.widen(dtype, tokens) is wide
+
+
+def test_a_widened_step_computes_the_bf16_step(tiny):
+    """Uncompiled (the arithmetic, not the compiler): fp32 weights, products rounded back to
+    bf16, give the bf16 step's logits up to bf16 rounding, and the same top token."""
+    folder, _, _ = tiny
+    target = load_target(folder, "bfloat16")
+    cache = target.new_cache()
+    slot = cache.allocate()
+    target(PackedBatch(torch.tensor(PROMPTS[0]), (slot,), (len(PROMPTS[0]),)), cache)
+    past = cache.data[cache.row(slot)]
+    ids, pos = torch.tensor([5, 9, 11, 3]), torch.tensor([cache.length(slot)])
+    with torch.no_grad():
+        plain = decode_graph.DecodeStep(target, (1,))(ids, pos, past)
+        wide = decode_graph.DecodeStep(target, (1,), widen=True)(ids, pos, past)
+    assert wide[0].dtype == plain[0].dtype == torch.float32  # logits
+    torch.testing.assert_close(wide[0], plain[0], atol=0.1, rtol=0.05)
+    assert torch.equal(wide[0].argmax(-1), plain[0].argmax(-1))
+    assert wide[1].dtype == torch.bfloat16  # new keys/values stay in the pool's dtype
+    torch.testing.assert_close(wide[1].float(), plain[1].float(), atol=0.05, rtol=0.05)
+
+
 def test_a_graph_that_fails_to_compile_leaves_the_eager_step(tiny, monkeypatch):
     folder, _, _ = tiny
     target = load_target(folder, "float32")
