@@ -95,10 +95,10 @@ def batch_sizes(max_requests: int) -> tuple[int, ...]:
 def widen(dtype: torch.dtype, tokens: int) -> bool:
     """Whether a one-request graph of ``tokens`` new tokens multiplies with fp32 copies of bf16
     weights: on a CPU without native bf16, from ``ADAFLASH_WIDEN_TOKENS`` tokens (default 8;
-    ``0`` never). There inductor's bf16 GEMM widens the weights again for every few rows and
-    turns compute-bound: 30 layers of SwiGLU MLP over 16 rows took 64.7 ms in bf16 against
-    35.8 ms with fp32 weights (10.0 vs 16.7 ms for one row, 17.7 vs 17.3 for four; AVX2 AMD
-    EPYC, 2 threads). The fp32 copies cost memory: ~540 MB per widened graph."""
+    ``0`` never). There inductor's bf16 GEMM turns compute-bound beyond a few rows: 30 layers
+    of SwiGLU MLP over 16 rows took 64.7 ms in bf16 against 35.8 ms with fp32 weights (10.0 vs
+    16.7 ms for one row, 17.7 vs 17.3 for four; AVX2 AMD EPYC, 2 threads). The fp32 copies cost
+    memory: ~540 MB per widened graph."""
     if dtype != torch.bfloat16 or native_bf16():
         return False
     least = int(os.environ.get("ADAFLASH_WIDEN_TOKENS", "8"))
