@@ -490,6 +490,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+DEMO_FLAGS = {  # flag dest → DemoConfig field (unset flags keep its defaults)
+    "url": "url",
+    "port": "port",
+    "prompts": "prompts",
+    "concurrency": "concurrency",
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "versions": "versions",
+    "minutes": "minutes",
+    "settle_s": "settle_s",
+    "report_s": "report_s",
+}
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """A shifted-domain workload through the real API while the drafter adapts (app/demo.py)."""
     from app.demo import DemoConfig
@@ -497,16 +511,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from db.session import data_dir
 
     cfg = DemoConfig(
-        url=args.url,
-        port=args.port,
-        prompts=args.prompts,
-        concurrency=args.concurrency,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        versions=args.versions,
-        minutes=args.minutes,
-        settle_s=args.settle_s,
-        report_s=args.report_s,
+        **_given(args, DEMO_FLAGS),
         keep_serving=args.keep_serving,
         serve_args=tuple(args.serve_args),
     )
@@ -522,9 +527,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    from app.demo import DEFAULT_PROMPTS, DemoConfig
-
-    d = DemoConfig()
     p = sub.add_parser(
         "demo",
         help="stream a new-domain workload (default: math) through the API and watch the "
@@ -535,26 +537,26 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "the server it starts.",
     )
     p.add_argument("--url", default=None, help="a running server (default: start one)")
-    p.add_argument("--port", type=int, default=d.port, help="port of the server it starts")
+    p.add_argument("--port", type=int, default=None, help="port of the server (default 8000)")
     p.add_argument(
         "--prompts",
-        default=str(DEFAULT_PROMPTS),
-        help="JSONL file, a 'prompt' per line (default: the math train prompts)",
+        default=None,
+        help="JSONL file, a 'prompt' per line (default: workloads/math_train.jsonl)",
     )
-    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens per answer")
-    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--concurrency", type=int, default=None, help="requests in flight (4)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (128)")
+    p.add_argument("--temperature", type=float, default=None, help="default 0: greedy")
     p.add_argument(
-        "--versions", type=int, default=d.versions, help="stop after N new versions (0: never)"
+        "--versions", type=int, default=None, help="stop after N new versions (3; 0: never)"
     )
-    p.add_argument("--minutes", type=float, default=d.minutes, help="stop after M minutes")
+    p.add_argument("--minutes", type=float, default=None, help="stop after M minutes (30)")
     p.add_argument(
         "--settle-s",
         type=float,
-        default=d.settle_s,
-        help="after the N-th new version, serve this long before stopping",
+        default=None,
+        help="after the N-th new version, serve this long before stopping (60)",
     )
-    p.add_argument("--report-s", type=float, default=d.report_s, help="seconds between lines")
+    p.add_argument("--report-s", type=float, default=None, help="seconds between lines (10)")
     p.add_argument("--keep-serving", action="store_true", help="leave a server it started running")
     p.add_argument("--out", default=None, help="write the summary JSON here")
     p.add_argument("serve_args", nargs="*", help="after `--`: flags for `adaflash serve`")

@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from adaflash.metrics import SpecCounters
 from adaflash.paths import repo_relative
 from adaflash.workloads import WORKLOADS_DIR, read_prompt_file
+from app.serve_process import alive, wait_until_up
 
 DEFAULT_PROMPTS = WORKLOADS_DIR / "math_train.jsonl"
 # how a server the demo starts trains: a round per 24 new trajectories, two epochs (a few
@@ -213,13 +214,6 @@ class Load:
         self._stop.wait(1.0)  # the server may be restarting: do not spin
 
 
-def alive(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def start_server(cfg: DemoConfig, log_path: Path) -> subprocess.Popen:
     """``adaflash serve`` on ``cfg.port`` with the demo's training cadence (flags in
     ``serve_args`` win: argparse keeps the last)."""
@@ -229,18 +223,6 @@ def start_server(cfg: DemoConfig, log_path: Path) -> subprocess.Popen:
     with log_path.open("w") as out:
         # its own session: Ctrl-C reaches the demo, which then stops the server gracefully
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_until_up(url: str, proc: subprocess.Popen | None, timeout_s: float, log: Path) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
-            raise RuntimeError(f"the server exited with {proc.returncode}; {log}:\n{tail}")
-        if alive(url):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"no server answered at {url} within {timeout_s:.0f} s; see {log}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -48,6 +48,7 @@ from adaflash.engine.engine import Engine
 from adaflash.engine.records import QueueSink
 from adaflash.hardware import cpu_info
 from adaflash.models.drafter import DFlashDrafter
+from adaflash.models.length_head import LengthHead
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import REPO, repo_relative
 from adaflash.pull import resolve_target
@@ -100,12 +101,14 @@ def measure(
     target: TargetModel,
     registry: Registry,
     version: str,
+    frozen: LengthHead,
     tok: Tokenizer,
     prompts: dict[str, list[list[int]]],
     args: argparse.Namespace,
 ) -> dict:
     """A version on the eval prompts: fixed-policy τ per domain; on math also the default
-    policy's tokens/s and the head policy with the version's head and with v0000's."""
+    policy's tokens/s and the head policy with the version's head and with ``frozen``
+    (v0000's, as fitted offline)."""
     drafter = registry.load(version, args.dtype)
     out = {
         f"{d}/fixed": run_policy(target, drafter, version, "fixed", prompts[d], tok, args)
@@ -114,7 +117,6 @@ def measure(
     math = prompts["math"]
     out["math/cost"] = run_policy(target, drafter, version, "cost", math, tok, args)
     out["math/head"] = run_policy(target, drafter, version, "head", math, tok, args)
-    frozen = registry.load("v0000", args.dtype).length_head
     drafter.length_head = frozen  # the same drafter, the head as fitted offline
     out["math/head-frozen"] = run_policy(target, drafter, version, "head", math, tok, args)
     return out
@@ -150,6 +152,7 @@ def run_arm(
         drafter_version="v0000",
         eos_token_ids=tok.eos_token_ids,
     )
+    frozen = registry.load("v0000", args.dtype).length_head  # Table 2's frozen head
     watcher = VersionWatcher(engine, registry, args.dtype, poll_s=1.0)
     log_file = (work / "trainer.log").open("w")  # closed when the arm ends
     trainer_cmd = [sys.executable, "-m", "app.cli", "trainer", "--database-url", url]
@@ -170,7 +173,7 @@ def run_arm(
             "round": 0,
             "version": "v0000",
             "status": "active",
-            **measure(target, registry, "v0000", tok, eval_prompts, args),
+            **measure(target, registry, "v0000", frozen, tok, eval_prompts, args),
         }
     ]
     print(f"[{loss} #{repeat}] v0000 {brief(versions[-1])}", flush=True)
@@ -206,7 +209,7 @@ def run_arm(
                 "train_seconds": run.seconds,
                 "samples": run.samples,
                 "final_draft_loss": (newest.metrics.get("train") or {}).get("final_draft_loss"),
-                **measure(target, registry, active.id, tok, eval_prompts, args),
+                **measure(target, registry, active.id, frozen, tok, eval_prompts, args),
             }
             versions.append(row)
             print(f"[{loss} #{repeat}] round {rnd}: {brief(row)}", flush=True)

@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 from playwright.sync_api import expect, sync_playwright
 
+from app.serve_process import wait_until_up
+
 TOKEN = "screenshot-admin-token"
 QUESTIONS = [
     "What is the capital of France?",
@@ -87,12 +89,7 @@ def main() -> None:
     )
     url = f"http://127.0.0.1:{args.port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
+        wait_until_up(url, proc, 600)
         for q in QUESTIONS[1:]:
             httpx.post(
                 url + "/v1/chat/completions",

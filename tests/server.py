@@ -7,13 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
+from app.serve_process import wait_until_up
 from tests.tiny import build_serving_folders
 
 ADMIN_TOKEN = "test-admin-token"
@@ -69,18 +68,12 @@ def start_server(root: Path, *extra: str, admin: bool = True, compile: bool = Fa
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return Server(url, target, drafter, data, proc, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"server did not start: {log.read_text()[-3000:]}")
+    try:
+        wait_until_up(url, proc, 120, log)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return Server(url, target, drafter, data, proc, log)
 
 
 def stop_server(server: Server) -> int:

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "bench" / "compare.py"
+from tests.bench.loader import bench_script
 
 
 @pytest.fixture(scope="module")
 def compare() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("bench_compare", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with bench_script("compare") as module:
+        yield module
 
 
 def row(drafter, method, domain, c, tps, *, lo=None, hi=None, sp=1.0):
