@@ -17,7 +17,11 @@ measured is interpolated between its measured neighbours (above the largest, the
 below that largest's cost).
 Plain passes of several requests (one token each: nobody verifies) may run on a compiled
 batched graph, at half the eager cost or less, so they get a table of their own too, by request
-count; a count not yet measured falls back to the line.
+count; a count not yet measured falls back to the line. Passes of several requests in which some
+verify (or prefill) run eager; each request count gets a line of its own over tokens, started
+from the shared line, so passes of other counts (prefill chunks, other concurrencies) do not
+pull it. With one shared line, a perfect drafter still lost to plain decoding at 8 and 16
+requests (0.98×, 0.90×, docs/results/compare), where drafting leaves a compiled batched step.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class RecursiveLeastSquares:
 
 ONE_REQUEST_MAX = 32  # one-request passes up to this many tokens have their own table entry
 ONE_REQUEST_RATE = 0.1  # weight of a new measurement in a table entry's running mean
+MIXED_SEEN = 3  # passes a request count's own line needs before it prices (else: the shared)
 
 
 @dataclass
@@ -73,6 +78,8 @@ class CostModel:
     )
     one_request: dict[int, float] = field(default_factory=dict)  # tokens → seconds
     plain: dict[int, float] = field(default_factory=dict)  # requests (1 token each) → seconds
+    # requests → t ≈ a + b·tokens over that many requests' passes in which some verify or prefill
+    mixed: dict[int, RecursiveLeastSquares] = field(default_factory=dict)
     target_passes: int = 0  # every target pass observed (line and tables)
 
     def observe_target(self, tokens: int, requests: int, seconds: float) -> None:
@@ -82,6 +89,11 @@ class CostModel:
         elif requests > 1 and tokens == requests:  # a plain batched pass
             table, key = self.plain, requests
         else:
+            if requests > 1:
+                if requests not in self.mixed:  # starts where the shared line is
+                    a, b, c = self.target.theta.tolist()
+                    self.mixed[requests] = RecursiveLeastSquares([a + c * requests, b])
+                self.mixed[requests].update([1.0, float(tokens)], seconds)
             self.target.update([1.0, float(tokens), float(requests)], seconds)
             return
         old = table.get(key)
@@ -97,6 +109,9 @@ class CostModel:
         table = self.one_request
         if requests == 1 and tokens in table:
             return table[tokens]
+        mixed = self.mixed.get(requests)
+        if requests > 1 and tokens > requests and mixed is not None and mixed.seen >= MIXED_SEEN:
+            return max(mixed.predict([1.0, float(tokens)]), 1e-6)
         line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
         if requests != 1 or tokens > ONE_REQUEST_MAX or not table:
             return line
@@ -130,6 +145,11 @@ class CostModel:
             "drafter_per_context_token_ms": 1e3 * f,
             **{f"target_1req_{n}tok_ms": 1e3 * t for n, t in sorted(self.one_request.items())},
             **{f"target_plain_{n}req_ms": 1e3 * t for n, t in sorted(self.plain.items())},
+            **{
+                f"target_mixed_{n}req_{part}_ms": 1e3 * v
+                for n, line in sorted(self.mixed.items())
+                for part, v in zip(("base", "per_token"), line.theta.tolist(), strict=True)
+            },
             "target_steps_seen": float(self.target_passes),
             "drafter_steps_seen": float(self.drafter.seen),
         }

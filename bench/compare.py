@@ -179,6 +179,10 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams)
         "accept_len": c.accept_len,
         "verify_len": c.verify_len,
         "output_tokens": engine.stats.output_tokens,
+        "_pricing": {  # the cost policy's predicted step time against the measured (seconds)
+            "drafting": (engine.stats.predicted_drafting_s, engine.stats.measured_drafting_s),
+            "plain": (engine.stats.predicted_plain_s, engine.stats.measured_plain_s),
+        },
         "_outputs": {tuple(p): list(r.output_ids) for p, r in zip(prompts, recs, strict=True)},
     }
 
@@ -327,6 +331,7 @@ def paper_domain(
         ar_outs = base["_outputs"]
         for m, r in results.items():
             outs = r.pop("_outputs", None)
+            r.pop("_pricing", None)
             row = {
                 "domain": domain,
                 "concurrency": c,
@@ -452,6 +457,14 @@ def policy_rows(domain: str, c: int, runs: dict[Key, list[dict]]) -> list[dict]:
             "speedup_max": round(speedup(hi, ar_min), 3),
             "output_tokens": reps[0]["output_tokens"],
         }
+        pricing = [r["_pricing"] for r in reps if "_pricing" in r]
+        if method == "cost" and pricing:  # how well it priced its steps: Σ predicted ÷ Σ measured
+            for kind in ("drafting", "plain"):
+                pred = sum(p[kind][0] for p in pricing)
+                meas = sum(p[kind][1] for p in pricing)
+                if meas > 0:
+                    row[f"{kind}_steps_s"] = round(meas, 3)
+                    row[f"{kind}_predicted_over_measured"] = round(pred / meas, 3)
         if drafter is not None:
             row["accept_len"] = round(statistics.median(r["accept_len"] for r in reps), 4)
             row["verify_len"] = round(statistics.median(r["verify_len"] for r in reps), 4)

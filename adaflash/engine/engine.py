@@ -70,6 +70,12 @@ class EngineStats:
     swaps: int = 0
     request_errors: int = 0  # requests ended by an error while being served
     draft_errors: int = 0  # drafter passes that failed (those requests took a plain step)
+    # the cost policy's predicted step time against the measured one, steps that drafted and
+    # steps that did not (how well the online cost model prices what it chooses)
+    predicted_drafting_s: float = 0.0
+    measured_drafting_s: float = 0.0
+    predicted_plain_s: float = 0.0
+    measured_plain_s: float = 0.0
 
 
 @dataclass
@@ -261,6 +267,7 @@ class Engine:
             return False
         self.stats.draft_errors += int(res.draft_failed)
         if res.pass_error is None:
+            self._check_prediction(res)
             self.cost.observe_target(res.pass_tokens, len(res.passed), res.verify_ms / 1e3)
             if res.drafted and not res.draft_failed:
                 self.cost.observe_drafter(res.drafted, res.draft_ms / 1e3, res.draft_context)
@@ -287,6 +294,18 @@ class Engine:
         self.stats.verify_s += res.verify_ms / 1e3
         self.scheduler.rotate([v.plan.req for v in res.verified])  # round-robin
         return True
+
+    def _check_prediction(self, res: RoundResult) -> None:
+        predicted = getattr(self._policy, "predicted_s", None)
+        if predicted is None:
+            return
+        measured = (res.draft_ms + res.verify_ms) / 1e3
+        if res.drafted:
+            self.stats.predicted_drafting_s += predicted
+            self.stats.measured_drafting_s += measured
+        else:
+            self.stats.predicted_plain_s += predicted
+            self.stats.measured_plain_s += measured
 
     def _commit_round(self, v: Verified, res: RoundResult) -> None:
         """Stream what a verified request committed (stop rules applied) and record the round."""

@@ -22,7 +22,12 @@ engine keeps the same gap for the drafter as a whole, and a new request starts f
 drafter that keeps failing is not probed again by every request that arrives. When nobody
 drafts, the drafter-wide gap counts steps, not a request's rounds (short replies would never
 reach it): after that many steps without a drafter pass, one probe runs, on the ready request
-with the least context to catch up (its drafter pass is the cheapest).
+with the least context to catch up (its drafter pass is the cheapest). Such a lone probe costs a
+drafter pass and a verification instead of a plain step — several plain steps' time where plain
+steps are compiled — so it also waits for a budget: every step adds ``PROBE_SHARE`` of its
+predicted time, a probe spends its predicted cost, and probes together cost at most that share
+of serving time (plus ``PROBE_START_S`` at the start, after a new drafter version and after a
+probe that found accepted drafts).
 """
 
 from __future__ import annotations
@@ -101,6 +106,8 @@ DECAY = 0.9  # per verified round: a request's profile follows its last ~10 roun
 MAX_PROBE_GAP = 256  # rounds: a request whose probes keep failing is probed this rarely
 PRIOR_WEIGHT = 2.0  # rounds' worth of the engine-wide profile mixed into each request's
 START = (1.0, 2.0)  # engine-wide (accepted, verified) per slot before any round: a = 0.5, weak
+PROBE_SHARE = 0.01  # lone probes spend at most this share of the serving time …
+PROBE_START_S = 0.25  # … after a start of this many seconds (also the budget's cap)
 
 
 def profile(r: Request, block_size: int) -> tuple[list[float], list[float]]:
@@ -115,6 +122,8 @@ class CostPolicy(Policy):
     def __init__(self, block_size: int, probe_every: int = 16, probe_width: int = 4) -> None:
         self.block_size, self.probe_every, self.probe_width = block_size, probe_every, probe_width
         self.probing: set[int] = set()
+        self.predicted_s: float | None = None  # this step's time as planned (engine checks it)
+        self.draft_s = 0.0  # this step's drafter pass as planned
         self.reset()
 
     def reset(self) -> None:
@@ -124,6 +133,7 @@ class CostPolicy(Policy):
         self.ok = [START[0]] * (self.block_size - 1)
         self.probe_gap = self.probe_every  # the drafter's: where a new request's gap starts
         self.idle_steps = 0  # steps since the drafter last ran
+        self.probe_budget_s = PROBE_START_S  # what lone probes may still spend (docstring)
 
     def observe(self, r: Request, verify_len: int, accepted: int, block_size: int) -> None:
         if id(r) in self.probing and verify_len > 1:  # a probe: back off while it finds nothing
@@ -132,6 +142,8 @@ class CostPolicy(Policy):
             self.probe_gap = (
                 self.probe_every if accepted else min(2 * self.probe_gap, MAX_PROBE_GAP)
             )
+            if accepted:  # the drafter finds tokens: probing pays for itself again
+                self.probe_budget_s = PROBE_START_S
         super().observe(r, verify_len, accepted, block_size)
         if len(self.seen) != block_size - 1:
             self.block_size = block_size
@@ -197,6 +209,7 @@ class CostPolicy(Policy):
         return best_rate, best
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
+        self.predicted_s = None  # a step of prefills only: nothing planned, nothing to check
         if not ready:
             return []
         k = ctx.block_size
@@ -205,7 +218,9 @@ class CostPolicy(Policy):
         order = sorted(ready, key=lambda r: -sum(surv[id(r)]))
         ranked = rank_slots(ready, surv)  # one sort and one cost table for every subset
         seconds: dict[int, float] = {}
-        plain_rate = len(ready) / ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
+        plain_s = ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
+        plain_rate = len(ready) / plain_s
+        self.predicted_s = plain_s  # unless somebody drafts (``widths``)
         best_n, best_rate = 0, plain_rate
         for n in range(1, len(order) + 1):
             rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds)
@@ -223,20 +238,39 @@ class CostPolicy(Policy):
             ]
         else:
             self.idle_steps += 1
-            lone = self.idle_steps >= self.probe_gap
-            stale = sorted(order, key=ctx.pending)[:1] if lone else []
+            self.probe_budget_s = min(self.probe_budget_s + PROBE_SHARE * plain_s, PROBE_START_S)
+            stale = sorted(order, key=ctx.pending)[:1] if self.idle_steps >= self.probe_gap else []
+            probe_s = sum(self.probe_s(r, len(ready), plain_s, ctx) for r in stale)
+            if probe_s > self.probe_budget_s:
+                stale = []  # not yet: the budget has not caught up
+            else:
+                self.probe_budget_s -= probe_s
         if chosen or stale:
             self.idle_steps = 0
         self.probing = {id(r) for r in stale}
-        return chosen + stale
+        spec = chosen + stale
+        # the drafter's share of the step, priced now: once it ran, nothing is pending
+        self.draft_s = ctx.cost.drafter_s(len(spec), sum(ctx.pending(r) for r in spec))
+        return spec
+
+    def probe_s(self, r: Request, requests: int, plain_s: float, ctx: PolicyContext) -> float:
+        """Predicted extra seconds of probing ``r`` in a step of ``requests`` that would
+        otherwise be plain (``plain_s``): its drafter pass and the wider target pass."""
+        n = requests + ctx.other_tokens + self.probe_width - 1
+        wider = ctx.cost.target_s(n, requests) - plain_s
+        return ctx.cost.drafter_s(1, ctx.pending(r)) + max(wider, 0.0)
 
     def widths(
         self, spec: list[Request], a_hat: torch.Tensor | None, ctx: PolicyContext
     ) -> torch.Tensor:
         _, widths = self.plan(spec, ctx, ctx.plain_requests)
-        return torch.tensor(
-            [max(widths[id(r)], self.probe_width if id(r) in self.probing else 1) for r in spec]
-        )
+        chosen = [
+            max(widths[id(r)], self.probe_width if id(r) in self.probing else 1) for r in spec
+        ]
+        n_req = len(spec) + ctx.plain_requests
+        n_tok = sum(chosen) + ctx.plain_requests + ctx.other_tokens
+        self.predicted_s = self.draft_s + ctx.cost.target_s(n_tok, n_req)
+        return torch.tensor(chosen)
 
 
 def rank_slots(

@@ -4,7 +4,7 @@ import torch
 
 from adaflash.config import SamplingParams
 from adaflash.cost_model import CostModel
-from adaflash.engine.policy import CostPolicy, PolicyContext
+from adaflash.engine.policy import PROBE_SHARE, PROBE_START_S, CostPolicy, PolicyContext
 from adaflash.engine.request import Request
 
 
@@ -120,6 +120,36 @@ def test_the_lone_probe_waits_for_the_gap_and_goes_to_the_least_context_to_catch
     assert [policy.drafters([a, b], ctx) for _ in range(4)] == [[], [], [], [b]]
 
 
+def test_lone_probes_cost_at_most_their_share_of_serving_time():
+    """Compiled plain steps are cheap next to a probe's drafter pass and wider verification:
+    the gap alone (at most 256 steps) would let probes take several percent of the time; the
+    budget holds them to PROBE_SHARE, after the start's PROBE_START_S. A new drafter version
+    probes at once again."""
+    k = 8
+    cost = CostModel()
+    for n in range(1, 40):  # a 10 ms plain step; a probe costs 200 ms + a 4-token pass
+        cost.observe_target(n, 1, 0.010 + 0.0005 * n)
+        cost.observe_drafter(1, 0.200)
+    policy = CostPolicy(k, probe_every=4)
+    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
+    r = req(0)
+    plain_s, probe_s = cost.target_s(1, 1), policy.probe_s(r, 1, cost.target_s(1, 1), ctx)
+    steps, probes = 20_000, 0
+    for rnd in range(steps):
+        r.rounds = rnd
+        if policy.drafters([r], ctx):  # a probe that finds nothing
+            probes += 1
+            policy.observe(r, 4, 0, k)
+    share = probes * probe_s / (steps * plain_s)
+    assert share <= PROBE_SHARE + PROBE_START_S / (steps * plain_s)
+    assert probes >= 5  # still probing: a drafter that turns good is noticed
+    gap_only = sum(1 for rnd in range(steps) if rnd % 256 == 0) * probe_s / (steps * plain_s)
+    assert gap_only > 4 * PROBE_SHARE  # what the budget saves here
+    policy.reset()
+    r.rounds += 4
+    assert [policy.drafters([r], ctx) for _ in range(4)][-1] == [r]
+
+
 def test_short_lived_requests_still_probe_and_a_good_drafter_is_noticed():
     """Replies shorter than the probe gap never reach it by their own rounds; the drafter-wide
     idle clock probes them anyway, and accepted probes lift the engine-wide profile until
@@ -185,3 +215,26 @@ def test_plain_batched_passes_get_their_own_costs_and_verification_keeps_the_lin
     assert abs(cost.target_s(24, 8) - (0.050 + 0.008 * 24)) < 3e-3
     assert cost.target_s(6, 6) > 0.06  # a count never measured plain: the line
     assert cost.snapshot()["target_plain_8req_ms"] == 38.0
+
+
+def test_passes_where_some_verify_are_priced_per_request_count_not_by_one_line():
+    """Eager passes in which some requests verify cost more per request as requests grow (30,
+    32, 78 ms at 4, 8, 16 requests): one line through them all is off at 16 requests, where the
+    step decides whether drafting beats a compiled plain step; a line per request count is
+    exact there, and it follows the machine when that count's costs change."""
+    base = {16: 0.078, 8: 0.032, 4: 0.030}
+    cost = CostModel()
+    for _ in range(30):
+        for reqs, a in base.items():
+            cost.observe_target(reqs, reqs, a / 2)  # compiled plain step
+            for extra in (4, 24):
+                cost.observe_target(reqs + extra, reqs, a + 0.0005 * (reqs + extra))
+    expected = 0.078 + 0.0005 * 30
+    line = cost.target.predict([1.0, 30.0, 16.0])
+    assert abs(cost.target_s(30, 16) - expected) < 0.1 * abs(line - expected)
+    assert abs(cost.target_s(16, 16) - 0.039) < 1e-6  # the plain step keeps its own table
+    assert cost.snapshot()["target_mixed_16req_base_ms"] > 70
+    for _ in range(60):  # another process takes half the cores: 16-request passes double
+        for extra in (4, 24):
+            cost.observe_target(16 + extra, 16, 2 * (0.078 + 0.0005 * (16 + extra)))
+    assert abs(cost.target_s(30, 16) - 2 * expected) < 5e-3

@@ -58,6 +58,11 @@ def test_greedy_matches_hf_generate(tiny, references, policy, drafter_kind):
         assert c.verify_len < 16  # the head chose shorter blocks than the fixed k
     if policy == "cost":  # every width happened: plain steps (no draft) and verified drafts
         assert c.rounds > c.slot_verified[0] > 0
+        # and the engine checked the policy's predicted step times against measured ones
+        st = engine.stats
+        assert st.predicted_drafting_s > 0 and st.measured_drafting_s > 0
+        if drafter_kind == "random":  # (the oracle's drafts always pay: it drafts every step)
+            assert st.predicted_plain_s > 0 and st.measured_plain_s > 0
 
 
 def test_budget_defers_and_chunked_prefill_stay_exact(tiny, references):
