@@ -95,7 +95,11 @@ def main() -> None:
         print(rows[-1], flush=True)
     result = {
         "benchmark": "bench/compile_contention.py",
-        "settings": {"batch": args.batch, "seconds": args.seconds, "gemm_autotune": autotune()},
+        "settings": {
+            "batch": args.batch,
+            "seconds": args.seconds,
+            "gemm_autotune": autotune(),
+        },  # None: measured per machine,
         "machine": machine() | {"threads": args.threads},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "note": args.note,

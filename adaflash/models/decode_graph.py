@@ -4,7 +4,8 @@ At batch 1 a decode step is 121 GEMVs with ~2,500 small PyTorch ops around them,
 the ops between the GEMVs cost about as much as the GEMVs (measured on this project's machine,
 2 threads: 25.7 ms a step, 13.6 of them GEMVs). Compiled, the step runs as generated C++ with
 fused elementwise kernels and prepacked weights, no Python between ops, and GEMMs autotuned
-against inductor's own C++ GEMV template (12.7 ms a step, docs/results/engine/).
+against inductor's own C++ GEMV template where that wins (12.7 ms a step, docs/results/engine/;
+``autotune``: on some CPUs it is timed once per machine, both ways, and remembered).
 
 The graph reads the request's past keys/values straight from its KV-pool row — a block
 ``(layers, 2, kv_heads, capacity, d)`` whose strides depend only on the capacity, marked dynamic,
@@ -40,21 +41,25 @@ the verification ones.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue
+import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash.hardware import cpu_flags, native_bf16
+from adaflash.hardware import cpu_flags, cpu_info, cpuinfo, native_bf16
 from adaflash.models.layers import apply_rope
+from adaflash.pull import cache_dir
 
 if TYPE_CHECKING:
     from adaflash.models.kv_cache import KVCache
@@ -109,29 +114,68 @@ def compile_enabled() -> bool:
     return os.environ.get("ADAFLASH_COMPILE", "1") != "0"
 
 
-def autotune() -> bool:
+def autotune() -> bool | None:
     """Whether the compiled steps' GEMMs are autotuned between oneDNN and inductor's C++
-    micro-kernel template (``ADAFLASH_AUTOTUNE=1``/``0`` decides; by default yes, except on a
-    CPU with AVX512-BF16 but no AMX). Measured (2 threads unless said, batch 1, SmolLM2-135M):
-    on an AMX Xeon the template's GEMV won over oneDNN's (9.4 vs 17.2 ms over the 120 per-layer
-    projections, one thread); without native bf16 it is the one kernel that does not stream fp32
-    weight copies; on an AMD EPYC with AVX512-BF16 and no AMX, oneDNN multiplies bf16 natively
-    and autotuning picked the template's fp32-widening kernels anyway: a step took 12.1 ms
-    autotuned vs 9.4 ms oneDNN only, 16 verified tokens 32.0 vs 15.3 ms."""
+    micro-kernel template: ``ADAFLASH_AUTOTUNE=1``/``0`` decides; by default yes, except on a
+    CPU with AVX512-BF16 but no AMX, where None: measure (``DecodeGraph``). Measured (2 threads
+    unless said, batch 1, SmolLM2-135M): on an AMX Xeon the template's GEMV won over oneDNN's
+    (9.4 vs 17.2 ms over the 120 per-layer projections, one thread); without native bf16 it is
+    the one kernel that does not stream fp32 weight copies. With AVX512-BF16 and no AMX it went
+    both ways: on an AMD EPYC of family 26 a step took 12.1 ms autotuned vs 9.4 ms oneDNN only
+    (16 verified tokens 32.0 vs 15.3 ms), on one of family 25 9.0 vs 15.5 ms (16 tokens 32.0 vs
+    32.5)."""
     raw = os.environ.get("ADAFLASH_AUTOTUNE")
     if raw is not None:
         return raw != "0"
     flags = cpu_flags() or frozenset()
-    return not ("avx512_bf16" in flags and "amx_bf16" not in flags)
+    return None if "avx512_bf16" in flags and "amx_bf16" not in flags else True
 
 
-def options(device: torch.device) -> dict[str, object]:
+def _autotune_file() -> Path:
+    return cache_dir() / "autotune.json"
+
+
+def _autotune_key(target: TargetModel) -> str:
+    """What the autotuning choice depends on: this CPU, torch and thread count, and the model's
+    shapes and dtype."""
+    fields = cpuinfo() or {}
+    cpu = "/".join(fields.get(k, "?") for k in ("model name", "cpu family", "model"))
+    flags = ",".join(cast("list[str]", cpu_info()["flags"]))
+    c = target.cfg
+    model = f"{c.model_type} {c.num_layers}x{c.hidden_size} vocab {c.vocab_size} {target.dtype}"
+    return f"{cpu} [{flags}] torch {torch.__version__}, {torch.get_num_threads()} threads; {model}"
+
+
+def remembered_autotune(target: TargetModel) -> bool | None:
+    """The choice measured earlier on this machine (``autotune.json`` in the cache), or None."""
+    try:
+        seen = json.loads(_autotune_file().read_text())
+    except (OSError, ValueError):
+        return None
+    entry = seen.get(_autotune_key(target)) if isinstance(seen, dict) else None
+    return entry.get("autotune") if isinstance(entry, dict) else None
+
+
+def remember_autotune(target: TargetModel, choice: bool, ms: dict[str, float]) -> None:
+    """Keep the measured choice for later processes on this machine (best effort)."""
+    path = _autotune_file()
+    try:
+        seen = json.loads(path.read_text()) if path.is_file() else {}
+        seen = seen if isinstance(seen, dict) else {}
+        seen[_autotune_key(target)] = {"autotune": choice, "step_ms": ms}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(seen, indent=1))
+    except (OSError, ValueError) as e:
+        log.warning("could not remember the GEMM autotuning choice in %s: %s", path, e)
+
+
+def options(device: torch.device, tune: bool) -> dict[str, object]:
     """Inductor settings: weights frozen (constants, prepacked), a C++ wrapper, and on a CPU
-    the GEMMs autotuned where that wins (``autotune``)."""
+    with ``tune`` the GEMMs autotuned (``autotune``)."""
     opts: dict[str, object] = {"freezing": True}
     if device.type == "cpu":
         opts["cpp_wrapper"] = True
-        if autotune():
+        if tune:
             opts |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
     return opts
 
@@ -265,6 +309,7 @@ class DecodeGraph:
         self._asked: set[Key] = set()
         self._queue: queue.SimpleQueue[Key] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self.tune = autotune()  # GEMMs autotuned; None: measured at the first compile
         self.steps = 0  # steps served compiled
         self.tokens = 0  # their new tokens (more than steps: verification or batches ran compiled)
 
@@ -326,46 +371,79 @@ class DecodeGraph:
                 self._compile(key)
 
     def _compile(self, key: Key) -> None:
-        import torch._inductor.config as inductor
-
-        capture, n, batch = key
         t0 = time.perf_counter()
         try:
-            # one function per key: the new tokens and the batch size stay static. Dynamo caches
-            # them all under one code object (``DecodeStep.forward``), whose default limit of 8
-            # entries would refuse a ninth graph: room for every key
-            limit = torch._dynamo.config.recompile_limit
-            torch._dynamo.config.recompile_limit = max(limit, 64)
-            module = DecodeStep if batch == 1 else BatchDecodeStep
-            step = module(self.target, capture, widen(self.target.dtype, n if batch == 1 else 1))
-            fn = torch.compile(step.eval(), fullgraph=True)
-            c, dev = self.target.cfg, self.target.device
-            with inductor.patch(options(dev)):
-                # two capacities (and pool rows) check that the dynamic dims hold
-                for cap in (24, 40):
-                    with torch.inference_mode():  # an inference tensor, like the pool (KVCache)
-                        pool = torch.zeros(
-                            (batch + cap // 8, c.num_layers, 2, c.num_kv_heads, cap, c.head_dim),
-                            dtype=self.target.dtype,
-                            device=dev,
-                        )
-                    pos = torch.full((batch,), cap // 2, device=dev)
-                    with torch.no_grad():  # as served (see ``step``)
-                        if batch == 1:
-                            past, ids = pool[0], torch.zeros(n, dtype=torch.long, device=dev)
-                            torch._dynamo.mark_dynamic(past, 3)  # one graph for every capacity
-                            fn(ids, pos, past)
-                        else:
-                            torch._dynamo.mark_dynamic(pool, 0)  # … and every pool size
-                            torch._dynamo.mark_dynamic(pool, 4)
-                            rows = torch.arange(batch, device=dev)
-                            fn(torch.zeros(batch, dtype=torch.long, device=dev), rows, pos, pool)
+            if self.tune is None:
+                self.tune = remembered_autotune(self.target)
+            if self.tune is None:  # this CPU class went both ways: build both, keep the faster
+                tuned, onednn = self._build(key, True), self._build(key, False)
+                ms = {"autotuned": self._time(tuned, key), "onednn": self._time(onednn, key)}
+                self.tune = ms["autotuned"] < ms["onednn"]
+                remember_autotune(self.target, self.tune, ms)
+                log.info("GEMM autotuning %s here: a step %s", "on" if self.tune else "off", ms)
+                fn = tuned if self.tune else onednn
+            else:
+                fn = self._build(key, self.tune)
             self.graphs[key] = fn
             self.compile_s[key] = time.perf_counter() - t0
             log.info("compiled the decode step %s in %.1f s", key, self.compile_s[key])
         except Exception as e:  # the eager step keeps serving
             self.failed[key] = f"{type(e).__name__}: {e}"
             log.warning("compiling the decode step %s failed; eager serves: %s", key, e)
+
+    def _inputs(self, key: Key, cap: int) -> tuple[torch.Tensor, ...]:
+        """Zero inputs of ``key``'s step over a pool of capacity ``cap`` (dims marked dynamic)."""
+        _, n, batch = key
+        c, dev = self.target.cfg, self.target.device
+        with torch.inference_mode():  # an inference tensor, like the pool (KVCache)
+            pool = torch.zeros(
+                (batch + cap // 8, c.num_layers, 2, c.num_kv_heads, cap, c.head_dim),
+                dtype=self.target.dtype,
+                device=dev,
+            )
+        pos = torch.full((batch,), cap // 2, device=dev)
+        if batch == 1:
+            past, ids = pool[0], torch.zeros(n, dtype=torch.long, device=dev)
+            torch._dynamo.mark_dynamic(past, 3)  # one graph for every capacity
+            return ids, pos, past
+        torch._dynamo.mark_dynamic(pool, 0)  # … and every pool size
+        torch._dynamo.mark_dynamic(pool, 4)
+        rows = torch.arange(batch, device=dev)
+        return torch.zeros(batch, dtype=torch.long, device=dev), rows, pos, pool
+
+    def _build(self, key: Key, tune: bool) -> Callable[..., tuple]:
+        """Compile ``key``'s step (GEMMs autotuned if ``tune``) and run it at two capacities
+        (and pool sizes), which checks that the dynamic dims hold."""
+        import torch._inductor.config as inductor
+
+        capture, n, batch = key
+        # one function per key: the new tokens and the batch size stay static. Dynamo caches
+        # them all under one code object (``DecodeStep.forward``), whose default limit of 8
+        # entries would refuse a ninth graph: room for every key (twice, where both GEMM
+        # choices are measured)
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 64)
+        module = DecodeStep if batch == 1 else BatchDecodeStep
+        step = module(self.target, capture, widen(self.target.dtype, n if batch == 1 else 1))
+        fn = torch.compile(step.eval(), fullgraph=True)
+        with inductor.patch(options(self.target.device, tune)):
+            for cap in (24, 40):
+                args = self._inputs(key, cap)
+                with torch.no_grad():  # as served (see ``step``)
+                    fn(*args)
+        return fn
+
+    def _time(self, fn: Callable[..., tuple], key: Key, calls: int = 12) -> float:
+        """Median milliseconds of ``fn`` over a 256-position pool, half of it in use."""
+        args = self._inputs(key, 256)
+        times = []
+        with torch.no_grad():
+            for i in range(calls + 2):
+                t0 = time.perf_counter()
+                fn(*args)
+                if i >= 2:  # two untimed first
+                    times.append(1e3 * (time.perf_counter() - t0))
+        return round(statistics.median(times), 3)
 
     def step(
         self, ids: torch.Tensor, slot: int, cache: KVCache, capture: tuple[int, ...] = ()
