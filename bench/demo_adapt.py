@@ -25,6 +25,7 @@ and each arm's math gain and chat / code change against ``v0000``. Writes ``adap
 
     python bench/demo_adapt.py --out docs/results/adapt           # hours on two CPU cores
     python bench/demo_adapt.py --quick --out /tmp/adapt-smoke     # the pipeline, minutes
+    python bench/demo_adapt.py --out docs/results/adapt --resume  # on from the finished arms
 """
 
 from __future__ import annotations
@@ -332,6 +333,24 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+RUN_ARGS = ("drafter", "target", "versions", "chunk", "epochs", "anchors", "eval_prompts")
+RUN_ARGS += ("concurrency", "max_new_tokens", "dtype")  # what makes arms comparable
+
+
+def resumed(path: Path, fresh: dict) -> dict:
+    """The earlier result at ``path`` to go on from, if it ran with the same settings (its arms
+    kept; each arm names the machine and date it ran on), else ``fresh``. A run takes hours on
+    two cores: a session may end before it does."""
+    if not path.is_file():
+        return fresh
+    old = json.loads(path.read_text())
+    differ = [k for k in RUN_ARGS if old["args"].get(k) != fresh["args"].get(k)]
+    if differ:
+        raise SystemExit(f"{path} ran with other settings ({', '.join(differ)}): not resuming")
+    print(f"resuming {path}: {len(old['arms'])} arm(s) kept", flush=True)
+    return {**fresh, "arms": old["arms"], "ar": old["ar"], "date": old["date"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--drafter", default=str(REPO / "assets" / "drafters" / DEFAULT_DRAFTER))
@@ -349,6 +368,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quick", action="store_true", help="1 repeat, 1 version, 2 eval prompts")
     ap.add_argument("--out", default="docs/results/adapt")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the arms already in --out/adapt.json (same settings) and run the rest",
+    )
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.versions, args.eval_prompts, args.max_new_tokens = 1, 1, 2, 32
@@ -368,14 +392,23 @@ def main() -> None:
         "args": {**vars(args), "drafter": repo_relative(args.drafter)},
         "machine": {"platform": platform.platform(), "cpu": cpu_info(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "ar": {"math/ar": run_policy(target, None, "none", "ar", eval_prompts["math"], tok, args)},
+        "ar": None,
         "arms": [],
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        result = resumed(out / "adapt.json", result)
+    if result["ar"] is None:
+        math_ar = run_policy(target, None, "none", "ar", eval_prompts["math"], tok, args)
+        result["ar"] = {"math/ar": math_ar}
+    done = {(a["loss"], a["repeat"]) for a in result["arms"]}
     for repeat in range(args.repeats):  # arms interleaved: a slow phase hits both
         for loss in args.arms:
+            if (loss, repeat) in done:
+                continue
             arm = run_arm(loss, repeat, target_dir, target, tok, eval_prompts, args)
+            arm |= {"machine": result["machine"], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
             result["arms"].append(arm)
             result["summary"] = summarize(result["arms"])
             (out / "adapt.json").write_text(json.dumps(result, indent=1) + "\n")

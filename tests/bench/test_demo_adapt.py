@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -67,3 +68,18 @@ def test_summary_reports_gain_forgetting_and_arm_difference(adapt):
     assert s["opd_minus_osd_math_tau"][0] == pytest.approx(0.3)
     assert s["opd"]["head_refit_minus_frozen_tau"][0] == pytest.approx(0.1)
     assert s["opd"]["math/cost_tokens_per_s"] == [[10.0, 10.0], [10.0, 10.0]]
+
+
+def test_resume_keeps_finished_arms_of_the_same_settings_only(adapt, tmp_path):
+    args = {k: 1 for k in adapt.RUN_ARGS}
+    fresh = {"args": args, "ar": None, "arms": [], "date": "now", "machine": {"cpu": "b"}}
+    path = tmp_path / "adapt.json"
+    assert adapt.resumed(path, fresh) is fresh  # nothing to resume from
+    arm = {"loss": "opd", "repeat": 0, "versions": [], "machine": {"cpu": "a"}}
+    earlier = {**fresh, "ar": {"math/ar": {}}, "arms": [arm], "date": "then"}
+    path.write_text(json.dumps(earlier))
+    got = adapt.resumed(path, fresh)
+    assert got["arms"] == [arm] and got["ar"] == earlier["ar"] and got["machine"] == {"cpu": "b"}
+    path.write_text(json.dumps({**earlier, "args": {**args, "chunk": 2}}))
+    with pytest.raises(SystemExit, match="chunk"):
+        adapt.resumed(path, fresh)
