@@ -18,10 +18,11 @@ below that largest's cost).
 Plain passes of several requests (one token each: nobody verifies) may run on a compiled
 batched graph, at half the eager cost or less, so they get a table of their own too, by request
 count; a count not yet measured falls back to the line. Passes of several requests in which some
-verify (or prefill) run eager; each request count gets a line of its own over tokens, started
-from the shared line, so passes of other counts (prefill chunks, other concurrencies) do not
-pull it. With one shared line, a perfect drafter still lost to plain decoding at 8 and 16
-requests (0.98×, 0.90×, docs/results/compare), where drafting leaves a compiled batched step.
+verify run eager; each request count gets a line of its own over tokens, started from the
+shared line and fed by that count's passes without prompt chunks, so prefills and other
+concurrencies do not pull it; it never prices below the plain step of as many requests. With
+one shared line, a perfect drafter still lost to plain decoding at 8 and 16 requests (0.98×,
+0.90×, docs/results/compare), where drafting leaves a compiled batched step.
 """
 
 from __future__ import annotations
@@ -82,14 +83,18 @@ class CostModel:
     mixed: dict[int, RecursiveLeastSquares] = field(default_factory=dict)
     target_passes: int = 0  # every target pass observed (line and tables)
 
-    def observe_target(self, tokens: int, requests: int, seconds: float) -> None:
+    def observe_target(
+        self, tokens: int, requests: int, seconds: float, prefill: bool = False
+    ) -> None:
+        """A measured target pass; ``prefill``: some of its tokens were prompt chunks (the
+        shared line learns from those, a request count's own line does not)."""
         self.target_passes += 1
         if requests == 1 and tokens <= ONE_REQUEST_MAX:
             table, key = self.one_request, tokens
         elif requests > 1 and tokens == requests:  # a plain batched pass
             table, key = self.plain, requests
         else:
-            if requests > 1:
+            if requests > 1 and not prefill:
                 if requests not in self.mixed:  # starts where the shared line is
                     a, b, c = self.target.theta.tolist()
                     self.mixed[requests] = RecursiveLeastSquares([a + c * requests, b])
@@ -111,7 +116,9 @@ class CostModel:
             return table[tokens]
         mixed = self.mixed.get(requests)
         if requests > 1 and tokens > requests and mixed is not None and mixed.seen >= MIXED_SEEN:
-            return max(mixed.predict([1.0, float(tokens)]), 1e-6)
+            # never below the plain step of as many requests (a line fitted on nearly one
+            # token count can tilt)
+            return max(mixed.predict([1.0, float(tokens)]), self.plain.get(requests, 1e-6))
         line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
         if requests != 1 or tokens > ONE_REQUEST_MAX or not table:
             return line

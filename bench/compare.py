@@ -75,7 +75,7 @@ from adaflash.engine.request import Request
 from adaflash.engine.round import Propose, draft_tokens
 from adaflash.hardware import cpu_info
 from adaflash.metrics import speedup
-from adaflash.models.decode_graph import batch_sizes, compile_now
+from adaflash.models.decode_graph import batch_sizes, compile_now, gemm_autotuned
 from adaflash.models.drafter import DFlashDrafter, load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import REPO, repo_relative
@@ -1041,7 +1041,7 @@ def main() -> None:
         "rows": rows,
         "adaptation_curves": curves,
         "compile_s": compile_s,
-        "gemm_autotune": target.decode_graph.tune if target.decode_graph else None,
+        "gemm_autotune": gemm_autotuned(target),
         "minutes": round((time.time() - t_start) / 60, 1),
         "machine": {
             "platform": platform.platform(),

@@ -98,8 +98,8 @@ def main() -> None:
         "settings": {
             "batch": args.batch,
             "seconds": args.seconds,
-            "gemm_autotune": autotune(),
-        },  # None: measured per machine,
+            "gemm_autotune": autotune(),  # None: timed both ways on the first graph
+        },
         "machine": machine() | {"threads": args.threads},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "note": args.note,

@@ -348,7 +348,14 @@ def resumed(path: Path, fresh: dict) -> dict:
     if differ:
         raise SystemExit(f"{path} ran with other settings ({', '.join(differ)}): not resuming")
     print(f"resuming {path}: {len(old['arms'])} arm(s) kept", flush=True)
-    return {**fresh, "arms": old["arms"], "ar": old["ar"], "date": old["date"]}
+    same_cpu = old.get("machine", {}).get("cpu") == fresh["machine"]["cpu"]
+    # plain decoding's tokens/s is this machine's: measured again on another CPU
+    return {
+        **fresh,
+        "arms": old["arms"],
+        "ar": old["ar"] if same_cpu else None,
+        "date": old["date"],
+    }
 
 
 def main() -> None:
@@ -411,7 +418,9 @@ def main() -> None:
             arm |= {"machine": result["machine"], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
             result["arms"].append(arm)
             result["summary"] = summarize(result["arms"])
-            (out / "adapt.json").write_text(json.dumps(result, indent=1) + "\n")
+            tmp = out / "adapt.json.tmp"  # replaced whole: a run killed mid-write keeps the last
+            tmp.write_text(json.dumps(result, indent=1) + "\n")
+            tmp.replace(out / "adapt.json")
     plot(result, out / "adapt.png")
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {out / 'adapt.json'} and {out / 'adapt.png'}")

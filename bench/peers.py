@@ -44,7 +44,7 @@ from adaflash.cli import default_drafter, encode_prompt
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.hardware import cpu_info
-from adaflash.models.decode_graph import batch_sizes, compile_now
+from adaflash.models.decode_graph import batch_sizes, compile_now, gemm_autotuned
 from adaflash.models.drafter import load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import repo_relative
@@ -154,7 +154,7 @@ def main() -> None:
             [tuple(drafter.cfg.target_layer_ids)] if drafter is not None and speculative else []
         )
         compile_s = compile_now(target, graphs, batch_sizes(max(args.batches)))
-    tune = target.decode_graph.tune if target.decode_graph else None  # GEMMs autotuned
+    tune = gemm_autotuned(target)
     runners: dict[str, Run] = {"adaflash-ar": adaflash_runner(target, None, "ar")}
     if not args.no_compile:
         runners["adaflash-ar-eager"] = adaflash_runner(target, None, "ar", compiled=False)

@@ -268,7 +268,9 @@ class Engine:
         self.stats.draft_errors += int(res.draft_failed)
         if res.pass_error is None:
             self._check_prediction(res)
-            self.cost.observe_target(res.pass_tokens, len(res.passed), res.verify_ms / 1e3)
+            self.cost.observe_target(
+                res.pass_tokens, len(res.passed), res.verify_ms / 1e3, prefill=bool(prefills)
+            )
             if res.drafted and not res.draft_failed:
                 self.cost.observe_drafter(res.drafted, res.draft_ms / 1e3, res.draft_context)
         if res.pass_error is not None:
@@ -297,7 +299,7 @@ class Engine:
 
     def _check_prediction(self, res: RoundResult) -> None:
         predicted = getattr(self._policy, "predicted_s", None)
-        if predicted is None:
+        if predicted is None or res.draft_failed:  # a failed drafter pass: not what was planned
             return
         measured = (res.draft_ms + res.verify_ms) / 1e3
         if res.drafted:

@@ -24,10 +24,12 @@ drafts, the drafter-wide gap counts steps, not a request's rounds (short replies
 reach it): after that many steps without a drafter pass, one probe runs, on the ready request
 with the least context to catch up (its drafter pass is the cheapest). Such a lone probe costs a
 drafter pass and a verification instead of a plain step — several plain steps' time where plain
-steps are compiled — so it also waits for a budget: every step adds ``PROBE_SHARE`` of its
-predicted time, a probe spends its predicted cost, and probes together cost at most that share
-of serving time (plus ``PROBE_START_S`` at the start, after a new drafter version and after a
-probe that found accepted drafts).
+steps are compiled — so it also waits for a budget: every step in which nobody drafts adds
+``PROBE_SHARE`` of its predicted time (up to ``PROBE_START_S``), a lone probe runs only while
+the budget is positive and spends its predicted cost (into debt, if it costs more), and the
+tokens a probe gets accepted pay back what they saved (a plain step's time per token). So lone
+probes of a drafter that does not pay cost about that share of serving time, plus the start's
+``PROBE_START_S`` (again after a new drafter version) and at most one probe of debt.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class CostPolicy(Policy):
         self.probing: set[int] = set()
         self.predicted_s: float | None = None  # this step's time as planned (engine checks it)
         self.draft_s = 0.0  # this step's drafter pass as planned
+        self.token_s = 0.0  # a plain step's seconds per token, last seen
         self.reset()
 
     def reset(self) -> None:
@@ -142,8 +145,11 @@ class CostPolicy(Policy):
             self.probe_gap = (
                 self.probe_every if accepted else min(2 * self.probe_gap, MAX_PROBE_GAP)
             )
-            if accepted:  # the drafter finds tokens: probing pays for itself again
-                self.probe_budget_s = PROBE_START_S
+            # what the probe's accepted drafts saved (a plain step's time per token) pays back
+            self.probe_budget_s = min(
+                self.probe_budget_s + accepted * self.token_s,
+                max(self.probe_budget_s, PROBE_START_S),
+            )
         super().observe(r, verify_len, accepted, block_size)
         if len(self.seen) != block_size - 1:
             self.block_size = block_size
@@ -239,12 +245,12 @@ class CostPolicy(Policy):
         else:
             self.idle_steps += 1
             self.probe_budget_s = min(self.probe_budget_s + PROBE_SHARE * plain_s, PROBE_START_S)
-            stale = sorted(order, key=ctx.pending)[:1] if self.idle_steps >= self.probe_gap else []
-            probe_s = sum(self.probe_s(r, len(ready), plain_s, ctx) for r in stale)
-            if probe_s > self.probe_budget_s:
-                stale = []  # not yet: the budget has not caught up
-            else:
-                self.probe_budget_s -= probe_s
+            due = self.idle_steps >= self.probe_gap and self.probe_budget_s > 0
+            stale = sorted(order, key=ctx.pending)[:1] if due else []
+            # spent even beyond what is left (a probe may cost more than the cap): the debt
+            # holds the next one back until plain steps have paid it off
+            self.probe_budget_s -= sum(self.probe_s(r, len(ready), plain_s, ctx) for r in stale)
+        self.token_s = plain_s / len(ready)  # what an accepted draft token saves
         if chosen or stale:
             self.idle_steps = 0
         self.probing = {id(r) for r in stale}

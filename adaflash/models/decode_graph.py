@@ -131,19 +131,26 @@ def autotune() -> bool | None:
     return None if "avx512_bf16" in flags and "amx_bf16" not in flags else True
 
 
+AUTOTUNE_MARGIN = 0.05  # a measured choice is remembered when it wins by this much
+
+
 def _autotune_file() -> Path:
     return cache_dir() / "autotune.json"
 
 
 def _autotune_key(target: TargetModel) -> str:
     """What the autotuning choice depends on: this CPU, torch and thread count, and the model's
-    shapes and dtype."""
+    shapes, dtype and device."""
     fields = cpuinfo() or {}
     cpu = "/".join(fields.get(k, "?") for k in ("model name", "cpu family", "model"))
     flags = ",".join(cast("list[str]", cpu_info()["flags"]))
     c = target.cfg
-    model = f"{c.model_type} {c.num_layers}x{c.hidden_size} vocab {c.vocab_size} {target.dtype}"
-    return f"{cpu} [{flags}] torch {torch.__version__}, {torch.get_num_threads()} threads; {model}"
+    shapes = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads)
+    model = f"{c.model_type} {shapes} d{c.head_dim} vocab {c.vocab_size}"
+    return (
+        f"{cpu} [{flags}] torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{model} {target.dtype} on {target.device}"
+    )
 
 
 def remembered_autotune(target: TargetModel) -> bool | None:
@@ -153,19 +160,26 @@ def remembered_autotune(target: TargetModel) -> bool | None:
     except (OSError, ValueError):
         return None
     entry = seen.get(_autotune_key(target)) if isinstance(seen, dict) else None
-    return entry.get("autotune") if isinstance(entry, dict) else None
+    choice = entry.get("autotune") if isinstance(entry, dict) else None
+    return choice if isinstance(choice, bool) else None
 
 
 def remember_autotune(target: TargetModel, choice: bool, ms: dict[str, float]) -> None:
-    """Keep the measured choice for later processes on this machine (best effort)."""
+    """Keep the measured choice for later processes on this machine (best effort; the file is
+    replaced whole, never left half-written; an unreadable one starts over)."""
     path = _autotune_file()
     try:
         seen = json.loads(path.read_text()) if path.is_file() else {}
-        seen = seen if isinstance(seen, dict) else {}
-        seen[_autotune_key(target)] = {"autotune": choice, "step_ms": ms}
+    except (OSError, ValueError):
+        seen = {}
+    seen = seen if isinstance(seen, dict) else {}
+    seen[_autotune_key(target)] = {"autotune": choice, "step_ms": ms}
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(seen, indent=1))
-    except (OSError, ValueError) as e:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(seen, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
         log.warning("could not remember the GEMM autotuning choice in %s: %s", path, e)
 
 
@@ -309,7 +323,8 @@ class DecodeGraph:
         self._asked: set[Key] = set()
         self._queue: queue.SimpleQueue[Key] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.tune = autotune()  # GEMMs autotuned; None: measured at the first compile
+        # GEMMs autotuned; None: measured at the first compile (CPU only: ``options``)
+        self.tune = autotune() if target.device.type == "cpu" else True
         self.steps = 0  # steps served compiled
         self.tokens = 0  # their new tokens (more than steps: verification or batches ran compiled)
 
@@ -375,15 +390,7 @@ class DecodeGraph:
         try:
             if self.tune is None:
                 self.tune = remembered_autotune(self.target)
-            if self.tune is None:  # this CPU class went both ways: build both, keep the faster
-                tuned, onednn = self._build(key, True), self._build(key, False)
-                ms = {"autotuned": self._time(tuned, key), "onednn": self._time(onednn, key)}
-                self.tune = ms["autotuned"] < ms["onednn"]
-                remember_autotune(self.target, self.tune, ms)
-                log.info("GEMM autotuning %s here: a step %s", "on" if self.tune else "off", ms)
-                fn = tuned if self.tune else onednn
-            else:
-                fn = self._build(key, self.tune)
+            fn = self._build(key, self.tune) if self.tune is not None else self._choose(key)
             self.graphs[key] = fn
             self.compile_s[key] = time.perf_counter() - t0
             log.info("compiled the decode step %s in %.1f s", key, self.compile_s[key])
@@ -433,17 +440,46 @@ class DecodeGraph:
                     fn(*args)
         return fn
 
-    def _time(self, fn: Callable[..., tuple], key: Key, calls: int = 12) -> float:
-        """Median milliseconds of ``fn`` over a 256-position pool, half of it in use."""
+    def _choose(self, key: Key) -> Callable[..., tuple]:
+        """``key``'s step built both ways — GEMMs autotuned and oneDNN only — and timed: the
+        faster serves and sets ``tune`` for every later graph. It is remembered for later
+        processes when it wins by ``AUTOTUNE_MARGIN`` (a near-tie is measured again next
+        time). Where one way fails to build, the other serves, remembered for nothing."""
+        built: dict[bool, Callable[..., tuple]] = {}
+        errors = []
+        for tune in (True, False):
+            try:
+                built[tune] = self._build(key, tune)
+            except Exception as e:
+                errors.append(e)
+                log.warning("building the decode step %s with tune=%s failed: %s", key, tune, e)
+        if not built:
+            raise errors[-1]
+        if len(built) == 1:
+            self.tune = next(iter(built))
+            return built[self.tune]
+        ms = self._time(built, key)
+        self.tune = ms[True] < ms[False]
+        slow, fast = max(ms.values()), min(ms.values())
+        timed = {"autotuned": ms[True], "onednn": ms[False]}
+        if slow > fast * (1 + AUTOTUNE_MARGIN):
+            remember_autotune(self.target, self.tune, timed)
+        log.info("GEMM autotuning %s here: a step %s", "on" if self.tune else "off", timed)
+        return built[self.tune]
+
+    def _time(self, fns: dict[bool, Callable[..., tuple]], key: Key, calls: int = 12) -> dict:
+        """Median milliseconds of each of ``fns`` over a 256-position pool half in use, their
+        calls interleaved (whatever else runs meanwhile slows both alike)."""
         args = self._inputs(key, 256)
-        times = []
+        times: dict[bool, list[float]] = {k: [] for k in fns}
         with torch.no_grad():
             for i in range(calls + 2):
-                t0 = time.perf_counter()
-                fn(*args)
-                if i >= 2:  # two untimed first
-                    times.append(1e3 * (time.perf_counter() - t0))
-        return round(statistics.median(times), 3)
+                for k, fn in fns.items():
+                    t0 = time.perf_counter()
+                    fn(*args)
+                    if i >= 2:  # two untimed first
+                        times[k].append(1e3 * (time.perf_counter() - t0))
+        return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
     def step(
         self, ids: torch.Tensor, slot: int, cache: KVCache, capture: tuple[int, ...] = ()
@@ -537,6 +573,12 @@ def quick_gil_handoff() -> Iterator[None]:
             _handoff_users -= 1
             if _handoff_users == 0:
                 sys.setswitchinterval(_handoff_saved)
+
+
+def gemm_autotuned(target: TargetModel) -> bool | None:
+    """Whether the target's compiled steps autotune their GEMMs (None: nothing compiled), for
+    benchmarks' result files."""
+    return None if target.decode_graph is None else target.decode_graph.tune
 
 
 def compile_now(

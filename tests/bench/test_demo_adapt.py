@@ -76,10 +76,18 @@ def test_resume_keeps_finished_arms_of_the_same_settings_only(adapt, tmp_path):
     path = tmp_path / "adapt.json"
     assert adapt.resumed(path, fresh) is fresh  # nothing to resume from
     arm = {"loss": "opd", "repeat": 0, "versions": [], "machine": {"cpu": "a"}}
-    earlier = {**fresh, "ar": {"math/ar": {}}, "arms": [arm], "date": "then"}
+    earlier = {
+        **fresh,
+        "ar": {"math/ar": {}},
+        "arms": [arm],
+        "date": "then",
+        "machine": {"cpu": "a"},
+    }
     path.write_text(json.dumps(earlier))
-    got = adapt.resumed(path, fresh)
-    assert got["arms"] == [arm] and got["ar"] == earlier["ar"] and got["machine"] == {"cpu": "b"}
+    got = adapt.resumed(path, fresh)  # another CPU: its arms kept, plain decoding measured again
+    assert got["arms"] == [arm] and got["ar"] is None and got["machine"] == {"cpu": "b"}
+    path.write_text(json.dumps({**earlier, "machine": {"cpu": "b"}}))
+    assert adapt.resumed(path, fresh)["ar"] == earlier["ar"]  # the same CPU: kept too
     path.write_text(json.dumps({**earlier, "args": {**args, "chunk": 2}}))
     with pytest.raises(SystemExit, match="chunk"):
         adapt.resumed(path, fresh)

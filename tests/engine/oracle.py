@@ -92,7 +92,9 @@ class PinnedCost(CostModel):
         self.target.pin([0.040, 0.0001, 0.0])  # a step's base cost dominates
         self.drafter.pin([0.004, 0.00001, 0.0])
 
-    def observe_target(self, tokens: int, requests: int, seconds: float) -> None:
+    def observe_target(
+        self, tokens: int, requests: int, seconds: float, prefill: bool = False
+    ) -> None:
         pass
 
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:

@@ -2,6 +2,7 @@
 as HF ``generate`` in fp32 for plain and speculative engines, across KV-pool growth and row
 moves, and the eager step whenever the graph is not there (compiling, failed, switched off)."""
 
+import json
 import time
 
 import pytest
@@ -312,3 +313,35 @@ def test_engine_asks_for_the_graph_only_when_configured(tiny, monkeypatch):
     monkeypatch.setenv("ADAFLASH_COMPILE", "0")
     Engine(target, None, EngineConfig(policy="ar", compile=True))
     assert asked == [()]
+
+
+def test_a_choice_that_fails_to_build_or_wins_by_a_hair_serves_but_is_not_remembered(
+    tiny_llama, tmp_path, monkeypatch
+):
+    _, target, _ = tiny_llama
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(decode_graph, "autotune", lambda: None)
+    (tmp_path / "autotune.json").write_text("{not json")  # a file left half-written
+
+    def build_failing(self, key, tune):
+        if tune:
+            raise RuntimeError("the template does not build here")
+        return lambda *args: None
+
+    monkeypatch.setattr(DecodeGraph, "_build", build_failing)
+    graph = DecodeGraph(target)
+    graph.request((), background=False)
+    assert graph.tune is False and not graph.failed and ((), 1, 1) in graph.graphs
+    assert decode_graph.remembered_autotune(target) is None  # one way never ran: measure again
+
+    monkeypatch.setattr(DecodeGraph, "_build", lambda self, key, tune: lambda *args: None)
+    monkeypatch.setattr(DecodeGraph, "_time", lambda self, fns, key: {True: 1.00, False: 1.02})
+    tie = DecodeGraph(target)
+    tie.request((), background=False)
+    assert tie.tune is True and decode_graph.remembered_autotune(target) is None
+
+    monkeypatch.setattr(DecodeGraph, "_time", lambda self, fns, key: {True: 2.0, False: 1.0})
+    clear = DecodeGraph(target)
+    clear.request((), background=False)
+    assert clear.tune is False and decode_graph.remembered_autotune(target) is False
+    assert json.loads((tmp_path / "autotune.json").read_text())  # rewritten whole
