@@ -58,7 +58,9 @@ def test_demo_starts_a_server_and_watches_new_versions_go_live(tmp_path):
     served = [w["version"] for w in summary["versions"]]
     assert served[0] == "v0000" and len(served) >= 3 and len(set(served)) == len(served)
     assert summary["overall"]["output_tokens"] > 0 and summary["overall"]["accept_len"] >= 1.0
-    assert "now serving v0001" in r.stdout and "| version |" in r.stdout
+    # each swap it saw is printed (a fast trainer may publish several versions between two
+    # looks: the first one seen need not be v0001)
+    assert f"now serving {served[1]}" in r.stdout and "| version |" in r.stdout
     # requests carry the file's domain: the dashboard's per-domain τ shows it
     db = sqlite3.connect(tmp_path / "data" / "adaflash.db")
     assert {d for (d,) in db.execute("select distinct domain from round_stats")} == {"quiz"}
