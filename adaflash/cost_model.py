@@ -79,7 +79,7 @@ class CostModel:
     )
     one_request: dict[int, float] = field(default_factory=dict)  # tokens → seconds
     plain: dict[int, float] = field(default_factory=dict)  # requests (1 token each) → seconds
-    # requests → t ≈ a + b·tokens over that many requests' passes in which some verify or prefill
+    # requests → t ≈ a + b·tokens over that many requests' passes where some verify (no prompts)
     mixed: dict[int, RecursiveLeastSquares] = field(default_factory=dict)
     target_passes: int = 0  # every target pass observed (line and tables)
 
