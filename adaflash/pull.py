@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from adaflash.paths import write_text_atomic
+
 MARKER = ".adaflash-pulled.json"
 
 
@@ -138,9 +140,7 @@ def write_sampling_defaults(folder: Path, sampling: dict[str, float]) -> None:
         return
     cfg.update(missing)
     cfg.setdefault("do_sample", True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(cfg, indent=2) + "\n")
 
 
 def check_model(folder: Path) -> str:

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from adaflash.losses import TopKTeacher
 from adaflash.models.target import PackedBatch, TargetModel
+from adaflash.paths import write_text_atomic
 from adaflash.workloads import Trajectory
 
 TOP_K = 32  # teacher tokens kept per row; the tail mass covers the rest
@@ -174,9 +175,7 @@ def _write_shard(path: Path, seqs: list[CachedSequence]) -> None:
 
 
 def _write_index(folder: Path, index: dict[str, Any]) -> None:
-    tmp = folder / (INDEX + ".tmp")
-    tmp.write_text(json.dumps(index) + "\n")
-    os.replace(tmp, folder / INDEX)
+    write_text_atomic(folder / INDEX, json.dumps(index) + "\n")
 
 
 def cache_key(target_dir: str | Path, layer_ids: tuple[int, ...], top_k: int) -> dict[str, Any]:

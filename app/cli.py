@@ -20,6 +20,7 @@ import torch
 from adaflash import cli as core
 from adaflash.config import DEFAULT_BLOCK_SIZE, POLICIES, DistillConfig
 from adaflash.models.target import load_target
+from adaflash.paths import write_text_atomic
 from adaflash.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # lightning and APScheduler load only for the commands that train
@@ -209,12 +210,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         old = json.loads(curve_path.read_text()) if curve_path.is_file() else {"points": []}
         kept = [p for p in old["points"] if p["blocks"] <= offset]  # the parent run ends at offset
         curve_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = curve_path.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps({"points": kept + [{**p, "run": args.title} for p in points]}, indent=1)
-            + "\n"
-        )
-        os.replace(tmp, curve_path)
+        curve = {"points": kept + [{**p, "run": args.title} for p in points]}
+        write_text_atomic(curve_path, json.dumps(curve, indent=1) + "\n")
 
     result = fit(
         drafter,

@@ -51,7 +51,7 @@ from adaflash.hardware import cpu_info
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.length_head import LengthHead
 from adaflash.models.target import TargetModel, load_target
-from adaflash.paths import REPO, repo_relative
+from adaflash.paths import REPO, repo_relative, write_text_atomic
 from adaflash.pull import resolve_target
 from adaflash.tokenizer import Tokenizer
 from adaflash.workloads import load_prompts
@@ -333,8 +333,10 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-RUN_ARGS = ("drafter", "target", "versions", "chunk", "epochs", "anchors", "eval_prompts")
-RUN_ARGS += ("concurrency", "max_new_tokens", "dtype")  # what makes arms comparable
+RUN_ARGS = (  # what makes arms comparable
+    *("drafter", "target", "versions", "chunk", "epochs", "anchors", "eval_prompts"),
+    *("concurrency", "max_new_tokens", "dtype"),
+)
 
 
 def resumed(path: Path, fresh: dict) -> dict:
@@ -418,9 +420,8 @@ def main() -> None:
             arm |= {"machine": result["machine"], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
             result["arms"].append(arm)
             result["summary"] = summarize(result["arms"])
-            tmp = out / "adapt.json.tmp"  # replaced whole: a run killed mid-write keeps the last
-            tmp.write_text(json.dumps(result, indent=1) + "\n")
-            tmp.replace(out / "adapt.json")
+            # replaced whole: a run killed mid-write keeps the last arm's file
+            write_text_atomic(out / "adapt.json", json.dumps(result, indent=1) + "\n")
     plot(result, out / "adapt.png")
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {out / 'adapt.json'} and {out / 'adapt.png'}")

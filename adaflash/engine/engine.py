@@ -298,7 +298,7 @@ class Engine:
         return True
 
     def _check_prediction(self, res: RoundResult) -> None:
-        predicted = getattr(self._policy, "predicted_s", None)
+        predicted = self._policy.predicted_s
         if predicted is None or res.draft_failed:  # a failed drafter pass: not what was planned
             return
         measured = (res.draft_ms + res.verify_ms) / 1e3

@@ -62,6 +62,7 @@ class Policy:
 
     name = "fixed"
     uses_head = False
+    predicted_s: float | None = None  # this step's time as planned, where a policy plans it
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
         return ready

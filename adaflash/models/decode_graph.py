@@ -59,6 +59,7 @@ from torch import nn
 
 from adaflash.hardware import cpu_flags, cpu_info, cpuinfo, native_bf16
 from adaflash.models.layers import apply_rope
+from adaflash.paths import write_text_atomic
 from adaflash.pull import cache_dir
 
 if TYPE_CHECKING:
@@ -176,9 +177,7 @@ def remember_autotune(target: TargetModel, choice: bool, ms: dict[str, float]) -
     seen[_autotune_key(target)] = {"autotune": choice, "step_ms": ms}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(seen, indent=1))
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(seen, indent=1))
     except OSError as e:
         log.warning("could not remember the GEMM autotuning choice in %s: %s", path, e)
 
