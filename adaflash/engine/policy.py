@@ -15,9 +15,12 @@ cost and the target's cost per verified token fixed, adding the next slot of a r
 exactly when its survival Π a_j exceeds the current tokens-per-second times the time of one more
 verified token; so slots are added greedily by survival, and the step's rate is evaluated for
 every prefix. Who drafts is chosen the same way, comparing the best rate with each number of
-drafting requests against the plain step. A request that has not drafted for ``probe_every``
-rounds drafts anyway (its profile may be stale after a hot swap or on a new domain); a probe that
-finds nothing doubles that gap (up to 256 rounds), one that finds accepted drafts resets it. The
+drafting requests against the plain step; a number whose expected tokens, every slot counted,
+over its cheapest possible step cannot beat the best so far is not planned at all (so a drafter
+that does not pay costs the policy a few microseconds a step, not a plan per subset). A
+request that has not drafted for ``probe_every`` rounds drafts anyway (its profile may be stale
+after a hot swap or on a new domain); a probe that finds nothing doubles that gap (up to 256
+rounds), one that finds accepted drafts resets it. The
 engine keeps the same gap for the drafter as a whole, and a new request starts from it, so a
 drafter that keeps failing is not probed again by every request that arrives. When nobody
 drafts, the drafter-wide gap counts steps, not a request's rounds (short replies would never
@@ -199,8 +202,8 @@ class CostPolicy(Policy):
             return memo[n]
 
         fixed = ctx.cost.drafter_s(len(reqs), sum(ctx.pending(r) for r in reqs))
-        best_rate = tokens / (fixed + pass_s(n_tok))
-        best = dict(widths)
+        best_rate, best_taken = tokens / (fixed + pass_s(n_tok)), 0
+        taken: list[tuple[int, int]] = []  # slots in the order they were added
         limit = ctx.budget + ctx.other_tokens
         for s, rid, w in ranked:  # each request's slots come in order: survival decreases
             if widths.get(rid) != w - 1:  # not in this subset, or an earlier slot was not taken
@@ -208,11 +211,15 @@ class CostPolicy(Policy):
             if n_tok + 1 > limit:
                 break
             widths[rid] = w
+            taken.append((rid, w))
             tokens += s
             n_tok += 1
             rate = tokens / (fixed + pass_s(n_tok))
             if rate > best_rate:
-                best_rate, best = rate, dict(widths)
+                best_rate, best_taken = rate, len(taken)
+        best = {id(r): 1 for r in reqs}  # the widths at the best prefix of added slots
+        for rid, w in taken[:best_taken]:
+            best[rid] = w
         return best_rate, best
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
@@ -222,14 +229,27 @@ class CostPolicy(Policy):
         k = ctx.block_size
         surv = {id(r): self.survival(r, k) for r in ready}  # once per step
         # candidates by their value: expected extra tokens from the first few slots
-        order = sorted(ready, key=lambda r: -sum(surv[id(r)]))
-        ranked = rank_slots(ready, surv)  # one sort and one cost table for every subset
+        gain = {id(r): sum(surv[id(r)]) for r in ready}
+        order = sorted(ready, key=lambda r: -gain[id(r)])
+        ranked: list[tuple[float, int, int]] | None = None  # every slot by survival, once
         seconds: dict[int, float] = {}
         plain_s = ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
         plain_rate = len(ready) / plain_s
         self.predicted_s = plain_s  # unless somebody drafts (``widths``)
+        # what bounds every plan below: a drafting step's target pass costs at least the plain
+        # one (or the narrowest wider pass, where a fitted line tilts below it)
+        least_pass = min(plain_s, ctx.cost.target_s(len(ready) + ctx.other_tokens + 1, len(ready)))
         best_n, best_rate = 0, plain_rate
-        for n in range(1, len(order) + 1):
+        tokens, pending = float(len(ready)), 0
+        for n, r in enumerate(order, 1):
+            tokens, pending = tokens + gain[id(r)], pending + ctx.pending(r)
+            # no plan of these n can beat the best when all their expected tokens over the
+            # cheapest step they could take do not (a drafter that does not pay: no plan at
+            # all, which was most of this policy's time per step)
+            if tokens / (ctx.cost.drafter_s(n, pending) + least_pass) <= best_rate:
+                continue
+            if ranked is None:
+                ranked = rank_slots(ready, surv)
             rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds)
             if rate > best_rate:
                 best_n, best_rate = n, rate

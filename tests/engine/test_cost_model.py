@@ -55,6 +55,45 @@ def test_cost_policy_drafts_only_when_it_pays():
     assert policy.drafters([good], PolicyContext(k, 1.0, pricey, 512, 0)) == []
 
 
+def test_the_drafters_bound_skips_only_plans_that_cannot_win(monkeypatch):
+    """``drafters`` skips a subset's plan when even its bound loses; it chooses exactly what
+    planning every subset would, and plans nothing for a drafter that does not pay."""
+    k, g = 16, torch.Generator().manual_seed(3)
+    for trial in range(200):
+        n_req = 1 + trial % 8
+        cost = CostModel()
+        base, per_tok = 0.005 + 0.02 * float(torch.rand(1, generator=g)), 0.0004
+        for n in range(n_req, n_req + 60):
+            cost.observe_target(n, n_req, base + per_tok * n)
+            cost.observe_drafter(n_req, 0.001 + 0.01 * float(torch.rand(1, generator=g)))
+        policy = CostPolicy(k, probe_every=10**6)  # no probes: the choice alone
+        reqs = [req(i) for i in range(n_req)]
+        for r in reqs:  # per request: a drafter anywhere from useless to good
+            q = float(torch.rand(1, generator=g))
+            for _ in range(12):
+                policy.observe(r, k, int((k - 1) * q * float(torch.rand(1, generator=g))), k)
+        ctx = PolicyContext(k, 1.0, cost, budget=16 * n_req, other_tokens=0)
+        # the reference: plan every prefix of the same order, keep the best (plain if none wins)
+        surv = {id(r): policy.survival(r, k) for r in reqs}
+        order = sorted(reqs, key=lambda r: -sum(surv[id(r)]))
+        best_n, best = 0, n_req / cost.target_s(n_req, n_req)
+        for n in range(1, n_req + 1):
+            rate, _ = policy.plan(order[:n], ctx, n_req - n, surv)
+            if rate > best:
+                best_n, best = n, rate
+        assert policy.drafters(reqs, ctx) == order[:best_n], trial
+    # a drafter that never lands a token: the bound rules out every plan
+    policy = CostPolicy(k, probe_every=10**6)
+    reqs = [req(i) for i in range(16)]
+    for r in reqs:
+        for _ in range(30):
+            policy.observe(r, k, 0, k)
+    planned = []
+    monkeypatch.setattr(CostPolicy, "plan", lambda *a, **kw: planned.append(1) or (0.0, {}))
+    ctx = PolicyContext(k, 1.0, plain_cost(), budget=256, other_tokens=0)
+    assert policy.drafters(reqs, ctx) == [] and planned == []
+
+
 def test_drafter_cost_learns_context_catch_up_and_the_policy_prices_it():
     cost = CostModel()
     g = torch.Generator().manual_seed(1)
