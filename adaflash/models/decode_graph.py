@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaflash.hardware import cpu_flags, cpu_info, cpuinfo, native_bf16
+from adaflash.models import gemv as gemv_kernel
 from adaflash.models.layers import apply_rope
 from adaflash.paths import write_text_atomic
 from adaflash.pull import cache_dir
@@ -129,7 +130,11 @@ def autotune() -> bool | None:
     if raw is not None:
         return raw != "0"
     flags = cpu_flags() or frozenset()
-    return None if "avx512_bf16" in flags and "amx_bf16" not in flags else True
+    if "avx512_bf16" not in flags or "amx_bf16" in flags:
+        return True
+    # where the GEMV kernel takes every projection of up to four rows, what is left to choose
+    # for are the wider ones, and there oneDNN won or tied on both CPUs measured (above)
+    return False if gemv_kernel.available() else None
 
 
 AUTOTUNE_MARGIN = 0.05  # a measured choice is remembered when it wins by this much
@@ -202,6 +207,11 @@ class _Step(nn.Module):
     ) -> None:
         super().__init__()
         self.target, self.capture, self.widen = target, capture, widen
+        self.gemv = (
+            target.device.type == "cpu"
+            and target.dtype == torch.bfloat16
+            and gemv_kernel.available()
+        )
         self.qkv = nn.ParameterList()
         self.gate_up = nn.ParameterList()
         for layer in cast("list[DecoderLayer]", target.layers):
@@ -269,9 +279,12 @@ class _Step(nn.Module):
         return logits, torch.stack(new_kv), features
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear``; widened, the weights are fp32 (folded into fp32 constants when the
+        """``F.linear``; up to four rows of bf16 through the GEMV kernel where it is available
+        (``models/gemv.py``); widened, the weights are fp32 (folded into fp32 constants when the
         graph freezes them) and the product is rounded back to the activations' dtype."""
         if not self.widen:
+            if b is None and self.gemv and x.numel() <= gemv_kernel.MAX_ROWS * x.shape[-1]:
+                return gemv_kernel.gemv(x, w)
             return F.linear(x, w, b)
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
