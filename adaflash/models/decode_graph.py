@@ -105,8 +105,9 @@ def widen(dtype: torch.dtype, tokens: int) -> bool:
     ``0`` never). There inductor's bf16 GEMM turns compute-bound beyond a few rows: 30 layers
     of SwiGLU MLP over 16 rows took 64.7 ms in bf16 against 35.8 ms with fp32 weights (10.0 vs
     16.7 ms for one row, 17.7 vs 17.3 for four; AVX2 AMD EPYC, 2 threads). The fp32 copies cost
-    memory: ~540 MB per widened graph."""
-    if dtype != torch.bfloat16 or native_bf16():
+    memory: ~540 MB per widened graph. Not where the GEMV kernel takes that many rows: it
+    widens in registers (16 rows 75 ms against 151 ms through fp32 copies, ``models/gemv.py``)."""
+    if dtype != torch.bfloat16 or native_bf16() or tokens <= gemv_kernel.max_rows():
         return False
     least = int(os.environ.get("ADAFLASH_WIDEN_TOKENS", "8"))
     return least > 0 and tokens >= least
@@ -131,8 +132,8 @@ def autotune() -> bool | None:
         return raw != "0"
     flags = cpu_flags() or frozenset()
     if "avx512_bf16" not in flags or "amx_bf16" in flags:
-        return True
-    # where the GEMV kernel takes every projection of up to four rows, what is left to choose
+        return True  # (a graph whose projections all go through the GEMV kernel has none to tune)
+    # where the GEMV kernel takes the one-row projections, what is left to choose
     # for are the wider ones, and there oneDNN won or tied on both CPUs measured (above)
     return False if gemv_kernel.available() else None
 
@@ -207,11 +208,8 @@ class _Step(nn.Module):
     ) -> None:
         super().__init__()
         self.target, self.capture, self.widen = target, capture, widen
-        self.gemv = (
-            target.device.type == "cpu"
-            and target.dtype == torch.bfloat16
-            and gemv_kernel.available()
-        )
+        cpu_bf16 = target.device.type == "cpu" and target.dtype == torch.bfloat16
+        self.gemv_rows = gemv_kernel.max_rows() if cpu_bf16 else 0
         self.qkv = nn.ParameterList()
         self.gate_up = nn.ParameterList()
         for layer in cast("list[DecoderLayer]", target.layers):
@@ -279,11 +277,12 @@ class _Step(nn.Module):
         return logits, torch.stack(new_kv), features
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear``; up to four rows of bf16 through the GEMV kernel where it is available
+        """``F.linear``; few rows of bf16 through the GEMV kernel where one serves
         (``models/gemv.py``); widened, the weights are fp32 (folded into fp32 constants when the
         graph freezes them) and the product is rounded back to the activations' dtype."""
         if not self.widen:
-            if b is None and self.gemv and x.numel() <= gemv_kernel.MAX_ROWS * x.shape[-1]:
+            rows = self.gemv_rows
+            if b is None and rows and x.numel() <= rows * x.shape[-1]:
                 return gemv_kernel.gemv(x, w)
             return F.linear(x, w, b)
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)

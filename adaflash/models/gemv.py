@@ -1,16 +1,23 @@
-"""A bf16 GEMV kernel for decoding on CPUs with AVX512-BF16 (``csrc/gemv_bf16.cpp``).
+"""bf16 GEMV kernels for decoding on CPUs: AVX512-BF16 (``csrc/gemv_bf16.cpp``) and, where the
+CPU has no native bf16, AVX2 + FMA (``csrc/gemv_bf16_avx2.cpp``).
 
-``torch.ops.adaflash.gemv_bf16(x, w)``: y (M, N) = x (M, K) · w (N, K)ᵀ for 1 ≤ M ≤ 4, bf16 in
+``torch.ops.adaflash.gemv_bf16(x, w)``: y (M, N) = x (M, K) · w (N, K)ᵀ for a few rows, bf16 in
 and out, fp32 accumulation. ``layers.linear`` and the compiled steps (``decode_graph``; inductor
-calls it as an opaque op) send inputs of up to ``MAX_ROWS`` rows here instead of oneDNN: every
-batch-1 decode step. Measured on an AMD EPYC (family 26, AVX512-BF16, no AMX; 2 threads), in one
-process, interleaved: a compiled batch-1 step of SmolLM2-135M took 8.6 ms with it against 9.9 ms
-with oneDNN's prepacked weights (``bench/bench_engine.py`` has the engine-level figures).
+calls it as an opaque op) send inputs of up to ``max_rows()`` rows here instead of oneDNN.
+Measured over a step's 121 projections of SmolLM2-135M (random weights, 2 threads), in one
+process, interleaved:
+- AVX512-BF16 (an AMD EPYC of family 26, no AMX): 0.79× oneDNN's time for one row, 0.94× for
+  two, 1.27× for four; so one row only (every batch-1 decode step): a compiled batch-1 step took
+  8.6 ms against 9.9 ms with oneDNN's prepacked weights.
+- AVX2 + FMA (an AMD EPYC of family 25 model 1): 1 / 2 / 4 / 8 / 16 rows in 21 / 22 / 27 / 36 /
+  75 ms against 27 / 40 / 72 / 140 / 263 ms through bf16 ``F.linear`` and 82 / 120 / 145 / 129 /
+  151 ms through fp32 copies of the weights; so up to 16 rows (decode, verification and batched
+  decode up to 16 requests), and the fp32 copies serve only wider inputs.
 
-It is compiled at first use (~20 s, g++ and ninja through torch's extension builder; then the
-library is cached under ``cache_dir()/ext`` and loads in ~0.1 s), only where the CPU has
-AVX512-BF16. ``ADAFLASH_GEMV=0`` switches it off; a failed build logs why and leaves every
-projection on the default path.
+It is compiled at first use (20–60 s, g++ and ninja through torch's extension builder; then the
+library is cached under ``cache_dir()/ext`` and loads in ~0.1 s), for the CPU's variant.
+``ADAFLASH_GEMV=0`` switches it off; a failed build logs why and leaves every projection on the
+default path.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import functools
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,27 +36,54 @@ from adaflash.hardware import cpu_flags
 
 log = logging.getLogger(__name__)
 
-# rows it serves: over a step's 121 projections (random weights, 30 layers + LM head) it took
-# 0.79× oneDNN's time for one row, 0.94× for two, 1.27× for four (the same EPYC)
-MAX_ROWS = 1
-SOURCE = Path(__file__).with_name("csrc") / "gemv_bf16.cpp"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
+CSRC = Path(__file__).with_name("csrc")
 
 
-def wanted() -> bool:
-    """Whether this machine should use the kernel: switched on and AVX512-BF16 present."""
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    source: Path
+    cflags: tuple[str, ...]
+    max_rows: int  # inputs of up to this many rows go through it (measured: module docstring)
+    limit: int  # the most rows the op accepts
+
+
+AVX512_BF16 = Variant(
+    "avx512_bf16",
+    CSRC / "gemv_bf16.cpp",
+    ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"),
+    max_rows=1,
+    limit=4,
+)
+AVX2 = Variant(
+    "avx2", CSRC / "gemv_bf16_avx2.cpp", ("-O3", "-mavx2", "-mfma", "-fopenmp"), 16, limit=16
+)
+
+
+def variant() -> Variant | None:
+    """This machine's kernel: switched on, and AVX512-BF16, else AVX2 + FMA; None otherwise."""
     if os.environ.get("ADAFLASH_GEMV", "1") == "0":
-        return False
-    return "avx512_bf16" in (cpu_flags() or frozenset())
+        return None
+    flags = cpu_flags() or frozenset()
+    if "avx512_bf16" in flags:
+        return AVX512_BF16
+    return AVX2 if {"avx2", "fma"} <= flags else None
 
 
 def available() -> bool:
-    """Whether the kernel serves: wanted here, built and loaded (the first call builds it)."""
-    return wanted() and _loaded()
+    """Whether a kernel serves: wanted here, built and loaded (the first call builds it)."""
+    chosen = variant()
+    return chosen is not None and _loaded(chosen)
+
+
+def max_rows() -> int:
+    """Inputs of up to this many rows go through the kernel (0 where none serves)."""
+    chosen = variant()
+    return chosen.max_rows if chosen is not None and _loaded(chosen) else 0
 
 
 @functools.cache
-def _loaded() -> bool:
+def _loaded(chosen: Variant) -> bool:
     """Build (once per machine: then the cached library loads in ~0.1 s) and load the kernel;
     False where that failed."""
     from torch.utils.cpp_extension import load
@@ -61,24 +96,28 @@ def _loaded() -> bool:
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-    build = cache_dir() / "ext" / f"gemv_bf16-torch{torch.__version__.replace('+', '_')}"
+    tag = f"{chosen.name}-torch{torch.__version__.replace('+', '_')}"
+    build = cache_dir() / "ext" / f"gemv_bf16-{tag}"
     build.mkdir(parents=True, exist_ok=True)
     try:
         load(
-            name="adaflash_gemv_bf16",
-            sources=[str(SOURCE)],
-            extra_cflags=FLAGS,
+            name=f"adaflash_gemv_bf16_{chosen.name}",
+            sources=[str(chosen.source)],
+            extra_cflags=list(chosen.cflags),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             is_python_module=False,
         )
     except Exception as exc:  # no compiler, no ninja, an old assembler: the default path serves
-        log.warning("the bf16 GEMV kernel did not build (%s); projections stay on oneDNN", exc)
+        log.warning(
+            "the %s GEMV kernel did not build (%s); projections stay as they were", chosen.name, exc
+        )
         return False
     register_fake()
     return True
 
 
+@functools.cache
 def register_fake() -> None:
     """The op's shape rule, so that compiled steps can trace through it."""
 
@@ -88,6 +127,6 @@ def register_fake() -> None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (..., K) with at most ``MAX_ROWS`` rows in all → (..., N) through the kernel."""
+    """x (..., K) with at most ``max_rows()`` rows in all → (..., N) through the kernel."""
     y = torch.ops.adaflash.gemv_bf16(x.reshape(-1, x.shape[-1]), weight)  # (M, N)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -48,15 +48,15 @@ def fp32_rows() -> int:
 class Packed:
     """Inference copies of one bf16 weight: oneDNN's blocked layout (what inductor's freezing
     uses; bit-identical to ``F.linear``) for few rows, and an fp32 copy for ``min_rows`` rows and
-    more where that is faster (no native bf16): more memory, several times less time. ``gemv``:
-    up to ``gemv.MAX_ROWS`` rows go through the AVX512-BF16 GEMV kernel (``models/gemv.py``),
-    which reads the weight as it is (no copy)."""
+    more where that is faster (no native bf16): more memory, several times less time.
+    ``gemv_rows``: inputs of up to this many rows go through the bf16 GEMV kernel
+    (``models/gemv.py``; 0: none), which reads the weight as it is (no copy)."""
 
     onednn: torch.Tensor | None
     fp32: torch.Tensor | None = None
     fp32_bias: torch.Tensor | None = None
     min_rows: int = 0
-    gemv: bool = False
+    gemv_rows: int = 0
 
 
 def pack(
@@ -68,7 +68,7 @@ def pack(
     memory-bound shapes (the LM head: ×2)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    use_gemv = bias is None and gemv_kernel.available()  # reads the weight as it is
+    gemv_rows = gemv_kernel.max_rows() if bias is None else 0  # reads the weight as it is
     onednn = None
     use_onednn = os.environ.get("ADAFLASH_PACKED_WEIGHTS", "1") != "0"
     if use_onednn and torch.backends.mkldnn.is_available():
@@ -78,9 +78,9 @@ def pack(
             onednn = None
     rows = fp32_rows() * rows_scale
     if rows == 0:
-        return Packed(onednn, gemv=use_gemv) if onednn is not None or use_gemv else None
+        return Packed(onednn, gemv_rows=gemv_rows) if onednn is not None or gemv_rows else None
     fp32_bias = None if bias is None else bias.detach().float()
-    return Packed(onednn, weight.detach().float(), fp32_bias, rows, use_gemv)
+    return Packed(onednn, weight.detach().float(), fp32_bias, rows, gemv_rows)
 
 
 def linear(
@@ -91,7 +91,7 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear``, through the fastest ``Packed`` copy for this many rows."""
     if packed is not None:
-        if packed.gemv and x.numel() <= gemv_kernel.MAX_ROWS * x.shape[-1]:
+        if packed.gemv_rows and x.numel() <= packed.gemv_rows * x.shape[-1]:
             return gemv_kernel.gemv(x, weight)
         if packed.fp32 is not None and x.numel() >= packed.min_rows * x.shape[-1]:
             return F.linear(x.float(), packed.fp32, packed.fp32_bias).to(x.dtype)

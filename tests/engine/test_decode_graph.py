@@ -252,16 +252,19 @@ def test_where_autotuning_is_measured_the_faster_graph_serves_and_is_remembered(
 
 
 def test_wide_bf16_graphs_multiply_with_fp32_weights_where_bf16_is_not_native(monkeypatch):
-    for native, dtype, tokens, env, wide in (
-        (False, torch.bfloat16, 16, None, True),
-        (False, torch.bfloat16, 8, None, True),
-        (False, torch.bfloat16, 4, None, False),  # few rows: bf16 streams half the bytes
-        (False, torch.bfloat16, 16, "0", False),  # switched off
-        (False, torch.bfloat16, 4, "4", True),
-        (True, torch.bfloat16, 16, None, False),  # native bf16 multiplies bf16 itself
-        (False, torch.float32, 16, None, False),  # fp32 weights already
+    for native, kernel_rows, dtype, tokens, env, wide in (
+        (False, 0, torch.bfloat16, 16, None, True),
+        (False, 0, torch.bfloat16, 8, None, True),
+        (False, 0, torch.bfloat16, 4, None, False),  # few rows: bf16 streams half the bytes
+        (False, 0, torch.bfloat16, 16, "0", False),  # switched off
+        (False, 0, torch.bfloat16, 4, "4", True),
+        (True, 0, torch.bfloat16, 16, None, False),  # native bf16 multiplies bf16 itself
+        (False, 0, torch.float32, 16, None, False),  # fp32 weights already
+        (False, 16, torch.bfloat16, 16, None, False),  # the GEMV kernel widens in registers
+        (False, 4, torch.bfloat16, 8, None, True),  # … up to its rows
     ):
         monkeypatch.setattr(decode_graph, "native_bf16", lambda native=native: native)
+        monkeypatch.setattr(decode_graph.gemv_kernel, "max_rows", lambda r=kernel_rows: r)
         if env is None:
             monkeypatch.delenv("ADAFLASH_WIDEN_TOKENS", raising=False)
         else:

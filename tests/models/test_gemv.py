@@ -1,5 +1,6 @@
-"""The AVX512-BF16 GEMV kernel: the product of bf16 operands to within bf16 rounding, in eager
-and compiled code, and the projections of one row go through it (where the CPU has it)."""
+"""The bf16 GEMV kernel of this CPU (AVX512-BF16 or AVX2): the product of bf16 operands to
+within bf16 rounding, in eager and compiled code, and the projections of few rows go through it
+(where the CPU has one)."""
 
 import pytest
 import torch
@@ -8,16 +9,24 @@ import torch.nn.functional as F
 from adaflash.models import gemv
 from adaflash.models.layers import linear, pack
 
-pytestmark = pytest.mark.skipif(not gemv.available(), reason="no AVX512-BF16 (or no build)")
+pytestmark = pytest.mark.skipif(not gemv.available(), reason="no GEMV kernel for this CPU")
+
+
+def limit() -> int:
+    chosen = gemv.variant()
+    assert chosen is not None
+    return chosen.limit
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.float() @ w.float().T  # exact products, fp32 sums
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize(("n", "k"), [(576, 576), (37, 100), (5, 1536), (64, 31)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 16])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (37, 100), (5, 1536), (64, 31), (3, 48)])
 def test_the_kernel_is_the_product_rounded_to_bf16(m, n, k):
+    if m > limit():
+        pytest.skip(f"this CPU's kernel takes up to {limit()} rows")
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
@@ -41,31 +50,36 @@ def test_it_runs_inside_a_compiled_function_and_keeps_leading_dims():
     assert torch.equal(out, gemv.gemv(x, w) * 2)
 
 
-def test_one_row_goes_through_the_kernel_more_rows_do_not(monkeypatch):
+def test_few_rows_go_through_the_kernel_more_rows_do_not(monkeypatch):
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
     packed = pack(w)
-    assert packed is not None and packed.gemv
+    rows = gemv.max_rows()
+    assert packed is not None and packed.gemv_rows == rows >= 1
     calls = []
     real = gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda x, w: calls.append(x.shape) or real(x, w))
-    one, three = (
-        torch.randn(1, 64, generator=g).bfloat16(),
-        torch.randn(3, 64, generator=g).bfloat16(),
+    few, more = (
+        torch.randn(rows, 64, generator=g).bfloat16(),
+        torch.randn(rows + 1, 64, generator=g).bfloat16(),
     )
-    assert torch.equal(linear(one, w, None, packed), real(one, w))
-    linear(three, w, None, packed)
-    assert calls == [(1, 64)]
-    monkeypatch.setenv("ADAFLASH_GEMV", "0")  # switched off: oneDNN for every row count
+    assert torch.equal(linear(few, w, None, packed), real(few, w))
+    linear(more, w, None, packed)
+    assert calls == [(rows, 64)]
+    monkeypatch.setenv("ADAFLASH_GEMV", "0")  # switched off: the default path for every count
+    assert gemv.max_rows() == 0
     off = pack(w)
-    assert off is None or not off.gemv
+    assert off is None or off.gemv_rows == 0
+    one = few[:1]
     assert torch.equal(linear(one, w, None, off), F.linear(one, w))
 
 
 def test_bad_inputs_are_refused():
     w = torch.randn(8, 64).bfloat16()
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        torch.ops.adaflash.gemv_bf16(torch.randn(5, 64).bfloat16(), w)
+    with pytest.raises(RuntimeError, match=rf"1 to {limit()} rows"):
+        torch.ops.adaflash.gemv_bf16(torch.randn(limit() + 1, 64).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="1 to"):
+        torch.ops.adaflash.gemv_bf16(torch.randn(0, 64).bfloat16(), w)
     with pytest.raises(RuntimeError, match="bf16"):
         torch.ops.adaflash.gemv_bf16(torch.randn(1, 64), w.float())
     with pytest.raises(RuntimeError, match=r"x \(M, K\)"):
