@@ -417,13 +417,21 @@ def policy_cell(
     follows a continuation the target no longer produces stops being an oracle."""
     plan = policy_plan(list(drafters), with_hf=not s.args.no_hf)
     runs: dict[Key, list[dict]] = {key: [] for key in plan}
-    for _ in range(s.args.repeats):
-        for key in plan:
+    for rep in range(s.args.repeats):
+        for key in rotated(plan, rep, s.args.repeats):
             run = run_method(s, key, prompts, c, ar_ref, drafters)
             runs[key].append(run)
             if key == (None, "ar"):  # the answer key as this C computes it (docstring)
                 ar_ref = {**ar_ref, **run["_outputs"]}
     return runs
+
+
+def rotated(plan: list[Key], rep: int, repeats: int) -> list[Key]:
+    """The order of repeat ``rep``: the plan rotated by an even share per repeat, so that no
+    method always runs first, or always right after the same one (a slow spell of the machine
+    then lands on different methods; the first repeat keeps ``ar`` first for the oracles)."""
+    shift = rep * len(plan) // max(repeats, 1)
+    return plan[shift:] + plan[:shift]
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:

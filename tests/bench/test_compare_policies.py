@@ -93,6 +93,16 @@ def test_policy_plan_skips_the_oracle_drafters_length_oracle(compare: ModuleType
     assert len(plan) == 2 + 3 + 3 + 2
 
 
+def test_repeats_rotate_the_order_and_the_first_keeps_ar_first(compare: ModuleType) -> None:
+    plan = compare.policy_plan(["shipped", "weak", "oracle"], with_hf=False)
+    orders = [compare.rotated(plan, rep, 3) for rep in range(3)]
+    assert orders[0] == plan  # ar first: the oracles' answer key comes from this cell's ar
+    assert all(sorted(o, key=str) == sorted(plan, key=str) for o in orders)  # each method once
+    firsts = {o[0] for o in orders}
+    assert len(firsts) == 3  # a different method opens each repeat
+    assert compare.rotated(plan, 0, 1) == plan
+
+
 # -- criteria ---------------------------------------------------------------------------------
 
 
