@@ -78,6 +78,13 @@ def test_policy_rows_aggregate_repeats_against_the_cells_ar(compare: ModuleType)
     assert cost["speedup"] == round(16 / 11, 3)  # median ÷ median ar
     assert cost["speedup_min"] == round(14 / 12, 3)  # worst pairing: min ÷ max ar
     assert cost["speedup_max"] == round(20 / 10, 3)  # best pairing: max ÷ min ar
+    # paired: run i ÷ ar run i = 2.0, 1.167, 1.455 → median, min, max
+    assert (cost["paired"], cost["paired_min"], cost["paired_max"]) == (
+        round(16 / 11, 3),
+        round(14 / 12, 3),
+        round(20 / 10, 3),
+    )
+    assert ar["paired"] == ar["paired_min"] == ar["paired_max"] == 1.0
     assert (cost["accept_len"], cost["verify_len"]) == (2.5, 5.0)  # medians
     assert cost["identical_to_ar"] == 2  # the first repeat's outputs against ar's
     assert hf["speedup"] == round(9 / 11, 3) and "accept_len" not in hf
@@ -118,6 +125,11 @@ def test_criterion_a_weak_drafter_keeps_97_percent_of_ar(compare: ModuleType) ->
     a = compare.criteria(bad)["a"]
     assert a["pass"] is False
     assert [(c["domain"], c["concurrency"]) for c in a["cells"] if not c["pass"]] == [("code", 8)]
+    # where a row has its paired ratio, (a) reads that, not the unpaired median ratio
+    drift = {**row("weak", "cost", "code", 8, 10.0, sp=0.96), "paired": 0.99}
+    assert compare.criteria([*ok, drift])["a"]["pass"] is True
+    slow = {**row("weak", "cost", "code", 8, 10.0, sp=1.02), "paired": 0.95}
+    assert compare.criteria([*ok, slow])["a"]["pass"] is False
 
 
 def test_criterion_b_shipped_cost_beats_ar_and_head_within_noise(compare: ModuleType) -> None:
