@@ -16,8 +16,16 @@ eager path. Those passes get a table instead, one running mean per token count; 
 measured is interpolated between its measured neighbours (above the largest, the line, but never
 below that largest's cost).
 Plain passes of several requests (one token each: nobody verifies) may run on a compiled
-batched graph, at half the eager cost or less, so they get a table of their own too, by request
-count; a count not yet measured falls back to the line. Passes of several requests in which some
+batched graph, at half the eager cost or less, so they get a table of their own too, keyed by the
+batch size that runs them: the compiled size a count pads up to (``compiled``: 15 requests run on
+the batch-16 graph and cost what 16 do), else the count itself; a key not yet measured is
+interpolated between measured keys as above. A plain price is what every drafting step is compared
+against, and a policy that keeps drafting never measures it again: ``plain_stale`` says when it
+was never measured or not for ``PLAIN_REFRESH`` passes, and the cost policy then takes one plain
+step to measure it. (Priced from the line instead — fitted on eager passes — a compiled batch-16
+step was overpriced, and a perfect drafter ran at 0.73× plain decoding, docs/results/compare-amx.)
+When the set of compiled graphs changes, the tables start over: what they measured ran another
+path. Passes of several requests in which some
 verify run eager; each request count gets a line of its own over tokens, started from the
 shared line and fed by that count's passes without prompt chunks, so prefills and other
 concurrencies do not pull it; it never prices below the plain step of as many requests. With
@@ -67,6 +75,7 @@ class RecursiveLeastSquares:
 ONE_REQUEST_MAX = 32  # one-request passes up to this many tokens have their own table entry
 ONE_REQUEST_RATE = 0.1  # weight of a new measurement in a table entry's running mean
 MIXED_SEEN = 3  # passes a request count's own line needs before it prices (else: the shared)
+PLAIN_REFRESH = 64  # target passes after which a plain price is measured again (``plain_stale``)
 
 
 @dataclass
@@ -81,7 +90,11 @@ class CostModel:
         default_factory=lambda: RecursiveLeastSquares([0.01, 0.002, 0.0001])
     )
     one_request: dict[int, float] = field(default_factory=dict)  # tokens → seconds
-    plain: dict[int, float] = field(default_factory=dict)  # requests (1 token each) → seconds
+    plain: dict[int, float] = field(default_factory=dict)  # batch size run (``plain_key``) → s
+    # plain_key → ``target_passes`` when a plain pass last measured it (1: one request's)
+    plain_at: dict[int, int] = field(default_factory=dict)
+    batches: tuple[int, ...] = ()  # compiled batch sizes plain passes pad up to (``compiled``)
+    graphs: int = -1  # compiled graphs the tables were measured with (-1: not told yet)
     # requests → t ≈ a + b·tokens over that many requests' passes where some verify (no prompts)
     mixed: dict[int, RecursiveLeastSquares] = field(default_factory=dict)
     target_passes: int = 0  # every target pass observed (line and tables)
@@ -94,8 +107,11 @@ class CostModel:
         self.target_passes += 1
         if requests == 1 and tokens <= ONE_REQUEST_MAX:
             table, key = self.one_request, tokens
+            if tokens == 1:
+                self.plain_at[1] = self.target_passes
         elif requests > 1 and tokens == requests:  # a plain batched pass
-            table, key = self.plain, requests
+            table, key = self.plain, self.plain_key(requests)
+            self.plain_at[key] = self.target_passes
         else:
             if requests > 1 and not prefill:
                 if requests not in self.mixed:  # starts where the shared line is
@@ -110,10 +126,31 @@ class CostModel:
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
         self.drafter.update([1.0, float(requests), float(context)], seconds)
 
+    def compiled(self, batches: tuple[int, ...], graphs: int) -> None:
+        """The engine's compiled steps now: the batch sizes plain passes pad up to, and how many
+        graphs there are. A new graph makes the tables start over (they timed another path)."""
+        if graphs != self.graphs:
+            self.one_request.clear()
+            self.plain.clear()
+            self.plain_at.clear()
+        self.batches, self.graphs = tuple(sorted(batches)), graphs
+
+    def plain_key(self, requests: int) -> int:
+        """The batch size a plain pass of ``requests`` runs at: the compiled size it pads up to,
+        else its own count."""
+        return next((b for b in self.batches if b >= requests), requests)
+
+    def plain_stale(self, requests: int) -> bool:
+        """Whether the plain pass of ``requests`` was never measured, or not for
+        ``PLAIN_REFRESH`` target passes (what a drafting step is compared against)."""
+        at = self.plain_at.get(1 if requests == 1 else self.plain_key(requests))
+        return at is None or self.target_passes - at > PLAIN_REFRESH
+
     def target_s(self, tokens: int, requests: int) -> float:
         """Predicted seconds of a target pass (never below a microsecond)."""
-        if requests > 1 and tokens == requests and requests in self.plain:
-            return self.plain[requests]
+        if requests > 1 and tokens == requests:
+            line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
+            return between(self.plain, self.plain_key(requests), line)
         table = self.one_request
         if requests == 1 and tokens in table:
             return table[tokens]
@@ -121,19 +158,12 @@ class CostModel:
         if requests > 1 and tokens > requests and mixed is not None and mixed.seen >= MIXED_SEEN:
             # never below the plain step of as many requests (a line fitted on nearly one
             # token count can tilt)
-            return max(mixed.predict([1.0, float(tokens)]), self.plain.get(requests, 1e-6))
+            plain = self.plain.get(self.plain_key(requests), 1e-6)
+            return max(mixed.predict([1.0, float(tokens)]), plain)
         line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
-        if requests != 1 or tokens > ONE_REQUEST_MAX or not table:
+        if requests != 1 or tokens > ONE_REQUEST_MAX:
             return line
-        known = sorted(table)
-        i = bisect_left(known, tokens)
-        if i == len(known):  # above every measured count: the line, at least the largest's cost
-            return max(line, table[known[-1]])
-        hi = known[i]
-        if i == 0:
-            return min(line, table[hi])
-        lo = known[i - 1]
-        return table[lo] + (table[hi] - table[lo]) * (tokens - lo) / (hi - lo)
+        return between(table, tokens, line)
 
     def drafter_s(self, requests: int, context: int = 0) -> float:
         """Predicted seconds of a drafter pass for ``requests`` that bring ``context`` new
@@ -163,3 +193,22 @@ class CostModel:
             "target_steps_seen": float(self.target_passes),
             "drafter_steps_seen": float(self.drafter.seen),
         }
+
+
+def between(table: dict[int, float], key: int, line: float) -> float:
+    """``table[key]``; a key not measured is interpolated between its measured neighbours;
+    above every measured key, the line but at least the largest key's cost; below every one,
+    the line but at most the smallest's; with nothing measured, the line."""
+    if key in table:
+        return table[key]
+    if not table:
+        return line
+    known = sorted(table)
+    i = bisect_left(known, key)
+    if i == len(known):
+        return max(line, table[known[-1]])
+    hi = known[i]
+    if i == 0:
+        return min(line, table[hi])
+    lo = known[i - 1]
+    return table[lo] + (table[hi] - table[lo]) * (key - lo) / (hi - lo)

@@ -246,6 +246,10 @@ class Engine:
             suspect = next(r for r in self.running if id(r) in self._suspects)
             prefills = [p for p in prefills if p.req is suspect]
             chosen = [suspect] if suspect.prefill_done else []
+        graph = self.target.decode_graph
+        if graph is not None:  # what the cost model's tables time: the graphs there are now
+            capture = () if self.drafting is None else self.drafting.drafter.cfg.target_layer_ids
+            self.cost.compiled(*graph.compiled(tuple(capture)))
         ctx = PolicyContext(
             self.block_size,
             self.gamma,

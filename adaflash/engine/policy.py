@@ -33,6 +33,9 @@ the budget is positive and spends its predicted cost (into debt, if it costs mor
 tokens a probe gets accepted pay back what they saved (a plain step's time per token). So lone
 probes of a drafter that does not pay cost about that share of serving time, plus the start's
 ``PROBE_START_S`` (again after a new drafter version) and at most one probe of debt.
+The other way round, a drafter that always pays would leave the plain step it is compared
+against unmeasured: where the cost model says that price is stale (``CostModel.plain_stale``),
+a step in which somebody would draft is a plain step instead, and times it.
 """
 
 from __future__ import annotations
@@ -253,6 +256,12 @@ class CostPolicy(Policy):
             rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds)
             if rate > best_rate:
                 best_n, best_rate = n, rate
+        if best_n and not ctx.other_tokens and ctx.cost.plain_stale(len(ready)):
+            # drafting would pay by the estimates, but the plain step it beats was never timed
+            # at this batch size or not lately: one plain step times it (a perfect drafter
+            # loses that step's speculation, ~1/PLAIN_REFRESH of the steps)
+            self.probing, self.draft_s = set(), 0.0
+            return []
         chosen = order[:best_n]
         # probes: when the drafter runs regardless (nearly free), every request that has not
         # drafted for its gap; when it would not run, one request once the drafter has been

@@ -99,3 +99,6 @@ class PinnedCost(CostModel):
 
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
         pass
+
+    def plain_stale(self, requests: int) -> bool:
+        return False  # pinned, never timed: nothing goes stale

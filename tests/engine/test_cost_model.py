@@ -3,7 +3,7 @@
 import torch
 
 from adaflash.config import SamplingParams
-from adaflash.cost_model import CostModel
+from adaflash.cost_model import PLAIN_REFRESH, CostModel
 from adaflash.engine import policy as policy_module
 from adaflash.engine.policy import PROBE_SHARE, PROBE_START_S, CostPolicy, PolicyContext
 from adaflash.engine.request import Request
@@ -274,8 +274,68 @@ def test_plain_batched_passes_get_their_own_costs_and_verification_keeps_the_lin
             cost.observe_target(3 * n, n, 0.050 + 0.008 * 3 * n)  # eager verification
     assert abs(cost.target_s(8, 8) - 0.038) < 1e-6
     assert abs(cost.target_s(24, 8) - (0.050 + 0.008 * 24)) < 3e-3
-    assert cost.target_s(6, 6) > 0.06  # a count never measured plain: the line
+    assert abs(cost.target_s(6, 6) - 0.036) < 1e-6  # never measured: between its neighbours
     assert cost.snapshot()["target_plain_8req_ms"] == 38.0
+
+
+def test_a_plain_count_is_priced_as_the_compiled_batch_it_pads_up_to():
+    """15 requests run on the batch-16 graph: they cost what 16 do, not what the line through
+    eager passes says; a new compiled graph makes the tables start over."""
+    cost = CostModel()
+    cost.compiled((4, 8, 16), 4)
+    for _ in range(20):
+        cost.observe_target(48, 16, 0.150)  # eager verification: the line
+        cost.observe_target(16, 16, 0.040)  # the compiled batch-16 step
+    assert cost.plain_key(15) == 16 and cost.plain_key(17) == 17
+    assert abs(cost.target_s(15, 15) - 0.040) < 1e-6
+    assert cost.snapshot()["target_plain_16req_ms"] == 40.0
+    cost.compiled((4, 8, 16), 4)  # nothing new: the tables stay
+    assert 16 in cost.plain
+    cost.compiled((4, 8, 16), 5)  # a graph more: what the tables timed may run another path
+    assert not cost.plain and not cost.one_request and cost.plain_stale(16)
+
+
+def test_a_plain_price_is_stale_until_measured_and_again_after_a_while():
+    cost = CostModel()
+    cost.compiled((16,), 2)
+    assert cost.plain_stale(16) and cost.plain_stale(1)
+    cost.observe_target(1, 1, 0.012)
+    assert not cost.plain_stale(1) and cost.plain_stale(16)
+    cost.observe_target(16, 16, 0.040)
+    assert not cost.plain_stale(16) and not cost.plain_stale(12)  # both run on batch 16
+    for _ in range(PLAIN_REFRESH):
+        cost.observe_target(48, 16, 0.150)
+    assert not cost.plain_stale(16) and cost.plain_stale(1)  # 1 was timed one pass earlier
+    cost.observe_target(48, 16, 0.150)
+    assert cost.plain_stale(16)
+
+
+def test_a_drafter_that_always_pays_still_times_the_plain_step_it_beats():
+    """With a perfect drafter the policy always drafts, so the plain price it compares against
+    was never measured: it takes a plain step (no prefill beside it) when that price is stale,
+    and drafts otherwise."""
+    k = 8
+    cost = CostModel()
+    for n in range(2, 40):
+        cost.observe_target(n, 1, 0.040 + 0.0005 * n)
+        cost.observe_drafter(1, 0.004)
+    policy = CostPolicy(k)
+    r = req(0)
+    for _ in range(20):
+        policy.observe(r, k, k - 1, k)  # every draft accepted
+    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
+    assert cost.plain_stale(1)
+    assert policy.drafters([r], ctx) == []  # times the plain step first
+    assert policy.predicted_s == cost.target_s(1, 1)
+    with_prefill = PolicyContext(k, 1.0, cost, budget=512, other_tokens=20)
+    assert policy.drafters([r], with_prefill) == [r]  # that pass could not time it
+    cost.observe_target(1, 1, 0.040)
+    assert policy.drafters([r], ctx) == [r]
+    steps = 0
+    while policy.drafters([r], ctx):  # drafting steps until the price is stale again
+        cost.observe_target(8, 1, 0.044)
+        steps += 1
+    assert steps == PLAIN_REFRESH + 1  # passes since the plain step: 0 … PLAIN_REFRESH
 
 
 def test_passes_where_some_verify_are_priced_per_request_count_not_by_one_line():
