@@ -20,12 +20,14 @@ batched graph, at half the eager cost or less, so they get a table of their own 
 batch size that runs them: the compiled size a count pads up to (``compiled``: 15 requests run on
 the batch-16 graph and cost what 16 do), else the count itself; a key not yet measured is
 interpolated between measured keys as above. A plain price is what every drafting step is compared
-against, and a policy that keeps drafting never measures it again: ``plain_stale`` says when it
-was never measured or not for ``PLAIN_REFRESH`` passes, and the cost policy then takes one plain
-step to measure it. (Priced from the line instead — fitted on eager passes — a compiled batch-16
-step was overpriced, and a perfect drafter ran at 0.73× plain decoding, docs/results/compare-amx.)
-When the set of compiled graphs changes, the tables start over: what they measured ran another
-path. Passes of several requests in which some
+against, and a policy that keeps drafting never measures it again. Where a compiled graph runs
+the plain step (a compiled batch size; one request once graphs exist), ``plain_stale`` says when
+its price was never measured or not for ``PLAIN_REFRESH`` passes, the cost policy then takes one
+plain step to time it, and that late measurement counts for half the new price. (Priced from the
+line instead — fitted on eager passes — the compiled batch-16 step, 34–37 ms, was priced 62–80 ms
+in a probe with the oracle drafter at C = 16.) An eager plain step needs no such step: eager
+passes keep the line current. When the number of compiled graphs changes, the tables start over:
+what they measured ran another path. Passes of several requests in which some
 verify run eager; each request count gets a line of its own over tokens, started from the
 shared line and fed by that count's passes without prompt chunks, so prefills and other
 concurrencies do not pull it; it never prices below the plain step of as many requests. With
@@ -76,6 +78,7 @@ ONE_REQUEST_MAX = 32  # one-request passes up to this many tokens have their own
 ONE_REQUEST_RATE = 0.1  # weight of a new measurement in a table entry's running mean
 MIXED_SEEN = 3  # passes a request count's own line needs before it prices (else: the shared)
 PLAIN_REFRESH = 64  # target passes after which a plain price is measured again (``plain_stale``)
+REFRESH_RATE = 0.5  # weight of a measurement taken after its price went stale
 
 
 @dataclass
@@ -106,12 +109,10 @@ class CostModel:
         shared line learns from those, a request count's own line does not)."""
         self.target_passes += 1
         if requests == 1 and tokens <= ONE_REQUEST_MAX:
-            table, key = self.one_request, tokens
-            if tokens == 1:
-                self.plain_at[1] = self.target_passes
+            table, key, plain = self.one_request, tokens, 1 if tokens == 1 else None
         elif requests > 1 and tokens == requests:  # a plain batched pass
             table, key = self.plain, self.plain_key(requests)
-            self.plain_at[key] = self.target_passes
+            plain = key
         else:
             if requests > 1 and not prefill:
                 if requests not in self.mixed:  # starts where the shared line is
@@ -120,8 +121,14 @@ class CostModel:
                 self.mixed[requests].update([1.0, float(tokens)], seconds)
             self.target.update([1.0, float(tokens), float(requests)], seconds)
             return
+        rate = ONE_REQUEST_RATE
+        if plain is not None:  # a plain price: timed again after it went stale, it counts more
+            at = self.plain_at.get(plain)
+            if at is not None and self.target_passes - at > PLAIN_REFRESH + 1:
+                rate = REFRESH_RATE
+            self.plain_at[plain] = self.target_passes
         old = table.get(key)
-        table[key] = seconds if old is None else old + ONE_REQUEST_RATE * (seconds - old)
+        table[key] = seconds if old is None else old + rate * (seconds - old)
 
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
         self.drafter.update([1.0, float(requests), float(context)], seconds)
@@ -141,9 +148,13 @@ class CostModel:
         return next((b for b in self.batches if b >= requests), requests)
 
     def plain_stale(self, requests: int) -> bool:
-        """Whether the plain pass of ``requests`` was never measured, or not for
+        """Whether the plain pass of ``requests`` runs compiled (a compiled batch size; one
+        request once graphs exist) and its price was never measured, or not for
         ``PLAIN_REFRESH`` target passes (what a drafting step is compared against)."""
-        at = self.plain_at.get(1 if requests == 1 else self.plain_key(requests))
+        key = 1 if requests == 1 else self.plain_key(requests)
+        if key not in self.batches and not (key == 1 and self.graphs > 0):
+            return False  # eager: priced by the line, which eager passes keep current
+        at = self.plain_at.get(key)
         return at is None or self.target_passes - at > PLAIN_REFRESH
 
     def target_s(self, tokens: int, requests: int) -> float:

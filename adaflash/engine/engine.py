@@ -151,11 +151,12 @@ class Engine:
         if not (self.cfg.compile and compile_enabled()):
             return
         batches = batch_sizes(self.cfg.max_running_requests)
-        if self.drafting is None or self.policy == "ar":
+        if self.drafting is None:
             self.target.compile_decode((), batches=batches)
-        else:  # plain steps and verification, both capturing the drafter's context
+        else:  # plain steps capture the drafter's context (under ``ar`` too: a later policy
+            # drafts from it), and so does verification, compiled where a policy drafts
             layers = tuple(self.drafting.drafter.cfg.target_layer_ids)
-            self.target.compile_decode(layers, True, batches=batches)
+            self.target.compile_decode(layers, self.policy != "ar", batches=batches)
 
     # -- thread-safe control surface ----------------------------------------------------------
     def add_request(
@@ -246,8 +247,10 @@ class Engine:
             suspect = next(r for r in self.running if id(r) in self._suspects)
             prefills = [p for p in prefills if p.req is suspect]
             chosen = [suspect] if suspect.prefill_done else []
-        graph = self.target.decode_graph
-        if graph is not None:  # what the cost model's tables time: the graphs there are now
+        graph = self.target.decode_graph  # what the cost model's tables time: the graphs now
+        if graph is None:
+            self.cost.compiled((), 0)
+        else:
             capture = () if self.drafting is None else self.drafting.drafter.cfg.target_layer_ids
             self.cost.compiled(*graph.compiled(tuple(capture)))
         ctx = PolicyContext(

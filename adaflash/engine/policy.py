@@ -6,7 +6,7 @@
 - ``cost``: maximise expected tokens per second with the online ``CostModel`` — a request may
   not draft at all (k̂ = 0: a plain decode step), and when nobody drafts the drafter does not
   run, so a step costs exactly a plain decode step. Speculation never loses by more than the
-  estimates are off.
+  estimates are off, plus the probes and plain timing steps that keep them current.
 
 ``cost`` in detail. Each request keeps decayed counts of how often each draft slot was accepted
 when verified; its acceptance profile a_i is those counts shrunk towards the engine-wide profile.
@@ -34,8 +34,9 @@ tokens a probe gets accepted pay back what they saved (a plain step's time per t
 probes of a drafter that does not pay cost about that share of serving time, plus the start's
 ``PROBE_START_S`` (again after a new drafter version) and at most one probe of debt.
 The other way round, a drafter that always pays would leave the plain step it is compared
-against unmeasured: where the cost model says that price is stale (``CostModel.plain_stale``),
-a step in which somebody would draft is a plain step instead, and times it.
+against unmeasured: where that step runs compiled and the cost model says its price is stale
+(``CostModel.plain_stale``), a step in which somebody would draft, with no prompt chunk in its
+pass, is a plain step instead, and times it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class PolicyContext:
     budget: int  # verification tokens the pass may hold
     other_tokens: int  # prefill tokens in the same pass
     plain_requests: int = 0  # ready requests that do not draft this step (set by the round)
+    requests: int = 0  # requests in this step's pass, ready to draft or not (set by the round)
     # context positions a request would bring to the drafter pass (committed since it last
     # drafted: the longer it did not draft, the more its first draft costs); set by the round
     pending: Callable[[Request], int] = field(default=lambda r: 0)
@@ -256,10 +258,11 @@ class CostPolicy(Policy):
             rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds)
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        if best_n and not ctx.other_tokens and ctx.cost.plain_stale(len(ready)):
-            # drafting would pay by the estimates, but the plain step it beats was never timed
-            # at this batch size or not lately: one plain step times it (a perfect drafter
-            # loses that step's speculation, ~1/PLAIN_REFRESH of the steps)
+        if best_n and not ctx.other_tokens and ctx.cost.plain_stale(ctx.requests or len(ready)):
+            # drafting would pay by the estimates, but the compiled plain step it beats was
+            # never timed at this batch size or not lately: this step is that plain step (a
+            # drafter that always pays loses one step's speculation per compiled batch size
+            # it meets, and one in PLAIN_REFRESH after that)
             self.probing, self.draft_s = set(), 0.0
             return []
         chosen = order[:best_n]

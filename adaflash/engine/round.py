@@ -162,6 +162,7 @@ def draft(
     plans = {id(r): Plan(r, 1, [], 0) for r in reqs}
     if drafting is not None:
         ctx.pending = lambda r: pending_context(drafting, r)
+    ctx.requests = len(reqs)
     spec = policy.drafters([r for r in reqs if can_draft(r, drafting)], ctx)
     ctx.plain_requests = len(reqs) - len(spec)
     failed = False

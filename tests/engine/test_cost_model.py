@@ -286,8 +286,10 @@ def test_a_plain_count_is_priced_as_the_compiled_batch_it_pads_up_to():
     for _ in range(20):
         cost.observe_target(48, 16, 0.150)  # eager verification: the line
         cost.observe_target(16, 16, 0.040)  # the compiled batch-16 step
+        cost.observe_target(8, 8, 0.020)  # the compiled batch-8 step
     assert cost.plain_key(15) == 16 and cost.plain_key(17) == 17
-    assert abs(cost.target_s(15, 15) - 0.040) < 1e-6
+    assert abs(cost.target_s(15, 15) - 0.040) < 1e-6  # not 0.0375 (between 8 and 16)
+    assert abs(cost.target_s(9, 9) - 0.040) < 1e-6
     assert cost.snapshot()["target_plain_16req_ms"] == 40.0
     cost.compiled((4, 8, 16), 4)  # nothing new: the tables stay
     assert 16 in cost.plain
@@ -308,6 +310,13 @@ def test_a_plain_price_is_stale_until_measured_and_again_after_a_while():
     assert not cost.plain_stale(16) and cost.plain_stale(1)  # 1 was timed one pass earlier
     cost.observe_target(48, 16, 0.150)
     assert cost.plain_stale(16)
+    assert not cost.plain_stale(20)  # no compiled batch runs 20: eager, priced by the line
+    cost.observe_target(16, 16, 0.060)  # another process took a core: the late timing counts
+    assert abs(cost.target_s(16, 16) - 0.050) < 1e-6  # for half (REFRESH_RATE) …
+    cost.observe_target(16, 16, 0.060)
+    assert abs(cost.target_s(16, 16) - 0.051) < 1e-6  # … a fresh one for a tenth
+    eager = CostModel()  # nothing compiled: no plain step is ever forced
+    assert not eager.plain_stale(1) and not eager.plain_stale(16)
 
 
 def test_a_drafter_that_always_pays_still_times_the_plain_step_it_beats():
@@ -316,6 +325,7 @@ def test_a_drafter_that_always_pays_still_times_the_plain_step_it_beats():
     and drafts otherwise."""
     k = 8
     cost = CostModel()
+    cost.compiled((4,), 2)  # the one-request step and batch 4 are compiled
     for n in range(2, 40):
         cost.observe_target(n, 1, 0.040 + 0.0005 * n)
         cost.observe_drafter(1, 0.004)
@@ -327,6 +337,12 @@ def test_a_drafter_that_always_pays_still_times_the_plain_step_it_beats():
     assert cost.plain_stale(1)
     assert policy.drafters([r], ctx) == []  # times the plain step first
     assert policy.predicted_s == cost.target_s(1, 1)
+    # the pass holds a request that cannot draft (on its last token) too: what it would time
+    # is a batch-4 step, so that is the price checked
+    cost.observe_target(4, 4, 0.030)
+    ctx.requests = 2
+    assert policy.drafters([r], ctx) == [r]
+    ctx.requests = 0
     with_prefill = PolicyContext(k, 1.0, cost, budget=512, other_tokens=20)
     assert policy.drafters([r], with_prefill) == [r]  # that pass could not time it
     cost.observe_target(1, 1, 0.040)

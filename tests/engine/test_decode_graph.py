@@ -196,6 +196,8 @@ def test_a_verification_takes_the_smallest_compiled_width_that_holds_it(tiny, mo
     graph.graphs[((), 1, 4)] = step  # a batched decode step is no verification width
     assert [graph.width((), n) for n in (1, 2, 4, 5, 16, 17)] == [1, 4, 4, 16, 16, None]
     assert graph.width((7,), 1) is None and graph.width((7,), 3) == 8
+    # what the cost model is told: batch sizes and graph count, per captured-layer set
+    assert graph.compiled(()) == ((4,), 4) and graph.compiled((7,)) == ((), 1)
     monkeypatch.setenv("ADAFLASH_VERIFY_GRAPHS", "16, 8,1")
     assert decode_graph.verify_widths() == (8, 16)
     monkeypatch.setenv("ADAFLASH_VERIFY_GRAPHS", "0")
@@ -311,15 +313,23 @@ def test_a_graph_that_fails_to_compile_leaves_the_eager_step(tiny, monkeypatch):
 def test_engine_asks_for_the_graph_only_when_configured(tiny, monkeypatch):
     folder, _, _ = tiny
     target = load_target(folder, "float32")
-    asked: list[tuple[int, ...]] = []
-    monkeypatch.setattr(DecodeGraph, "request", lambda self, capture, *a: asked.append(capture))
+    asked: list[tuple[tuple[int, ...], bool]] = []
+    record = lambda self, capture, multi=False, *a: asked.append((capture, multi))  # noqa: E731
+    monkeypatch.setattr(DecodeGraph, "request", record)
     Engine(target, None, EngineConfig(policy="ar"))
     assert asked == []
     Engine(target, None, EngineConfig(policy="ar", compile=True))
-    assert asked == [()]
+    assert asked == [((), False)]
+    # with a drafter, plain steps capture its layers under every policy (a later policy drafts
+    # from them), so those are the graphs; verification ones only where a policy drafts
+    drafter = random_drafter(target)
+    layers = tuple(drafter.cfg.target_layer_ids)
+    Engine(target, drafter, EngineConfig(policy="ar", compile=True))
+    Engine(target, drafter, EngineConfig(policy="cost", compile=True))
+    assert asked[1:] == [(layers, False), (layers, True)]
     monkeypatch.setenv("ADAFLASH_COMPILE", "0")
     Engine(target, None, EngineConfig(policy="ar", compile=True))
-    assert asked == [()]
+    assert len(asked) == 3
 
 
 def test_a_choice_that_fails_to_build_or_wins_by_a_hair_serves_but_is_not_remembered(
