@@ -125,6 +125,17 @@ class LlamaCppPeer:
         return tps, ms
 
 
+ENGINES = (
+    "adaflash-ar",
+    "adaflash-ar-eager",
+    "adaflash-head",
+    "adaflash-cost",
+    "hf",
+    "llamacpp-bf16",
+    "llamacpp-q4_1",
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -140,6 +151,15 @@ def main() -> None:
     ap.add_argument("--note", default="", help="what else ran on the machine")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    for engine, flag in (("llamacpp-bf16", "--gguf-bf16"), ("llamacpp-q4_1", "--gguf-q4")):
+        gguf = getattr(args, flag[2:].replace("-", "_"))
+        if args.engines and engine in args.engines and not gguf:  # asked for, but no file
+            ap.error(f"{engine} needs {flag} FILE (scripts/peer_models.sh makes it)")
+        if gguf and not Path(gguf).is_file():
+            ap.error(f"{flag}: no such file: {gguf}")
+    unknown = set(args.engines or ()) - set(ENGINES)
+    if unknown:
+        ap.error(f"unknown engine(s) {sorted(unknown)}; choose from {list(ENGINES)}")
     torch.set_num_threads(args.threads)
     folder = resolve_target(None)
     tok = Tokenizer.from_folder(folder)
