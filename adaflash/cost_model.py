@@ -107,12 +107,14 @@ class CostModel:
     ) -> None:
         """A measured target pass; ``prefill``: some of its tokens were prompt chunks (the
         shared line learns from those, a request count's own line does not)."""
+        # a plain pass timed again after its price went stale counts for more (``plain_stale``)
+        age = self.plain_age(requests) if tokens == requests else None
+        rate = REFRESH_RATE if age is not None and age > PLAIN_REFRESH else ONE_REQUEST_RATE
         self.target_passes += 1
         if requests == 1 and tokens <= ONE_REQUEST_MAX:
-            table, key, plain = self.one_request, tokens, 1 if tokens == 1 else None
+            table, key = self.one_request, tokens
         elif requests > 1 and tokens == requests:  # a plain batched pass
             table, key = self.plain, self.plain_key(requests)
-            plain = key
         else:
             if requests > 1 and not prefill:
                 if requests not in self.mixed:  # starts where the shared line is
@@ -121,12 +123,8 @@ class CostModel:
                 self.mixed[requests].update([1.0, float(tokens)], seconds)
             self.target.update([1.0, float(tokens), float(requests)], seconds)
             return
-        rate = ONE_REQUEST_RATE
-        if plain is not None:  # a plain price: timed again after it went stale, it counts more
-            at = self.plain_at.get(plain)
-            if at is not None and self.target_passes - at > PLAIN_REFRESH + 1:
-                rate = REFRESH_RATE
-            self.plain_at[plain] = self.target_passes
+        if tokens == requests:
+            self.plain_at[self.plain_key(requests)] = self.target_passes
         old = table.get(key)
         table[key] = seconds if old is None else old + rate * (seconds - old)
 
@@ -134,28 +132,36 @@ class CostModel:
         self.drafter.update([1.0, float(requests), float(context)], seconds)
 
     def compiled(self, batches: tuple[int, ...], graphs: int) -> None:
-        """The engine's compiled steps now: the batch sizes plain passes pad up to, and how many
+        """The engine's compiled steps now: the batch sizes plain passes pad up to (ascending),
+        and how many
         graphs there are. A new graph makes the tables start over (they timed another path)."""
         if graphs != self.graphs:
             self.one_request.clear()
             self.plain.clear()
             self.plain_at.clear()
-        self.batches, self.graphs = tuple(sorted(batches)), graphs
+        self.batches, self.graphs = batches, graphs
 
     def plain_key(self, requests: int) -> int:
-        """The batch size a plain pass of ``requests`` runs at: the compiled size it pads up to,
-        else its own count."""
+        """The batch size a plain pass of ``requests`` runs at: 1 for one request (its own
+        step, never a padded batch), else the compiled size it pads up to, else its own count."""
+        if requests == 1:
+            return 1
         return next((b for b in self.batches if b >= requests), requests)
+
+    def plain_age(self, requests: int) -> int | None:
+        """Target passes since the plain pass of ``requests`` was last timed (None: never)."""
+        at = self.plain_at.get(self.plain_key(requests))
+        return None if at is None else self.target_passes - at
 
     def plain_stale(self, requests: int) -> bool:
         """Whether the plain pass of ``requests`` runs compiled (a compiled batch size; one
         request once graphs exist) and its price was never measured, or not for
         ``PLAIN_REFRESH`` target passes (what a drafting step is compared against)."""
-        key = 1 if requests == 1 else self.plain_key(requests)
+        key = self.plain_key(requests)
         if key not in self.batches and not (key == 1 and self.graphs > 0):
             return False  # eager: priced by the line, which eager passes keep current
-        at = self.plain_at.get(key)
-        return at is None or self.target_passes - at > PLAIN_REFRESH
+        age = self.plain_age(requests)
+        return age is None or age > PLAIN_REFRESH
 
     def target_s(self, tokens: int, requests: int) -> float:
         """Predicted seconds of a target pass (never below a microsecond)."""

@@ -151,8 +151,10 @@ def main() -> None:
     ap.add_argument("--note", default="", help="what else ran on the machine")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    for engine, flag in (("llamacpp-bf16", "--gguf-bf16"), ("llamacpp-q4_1", "--gguf-q4")):
-        gguf = getattr(args, flag[2:].replace("-", "_"))
+    for engine, flag, gguf in (
+        ("llamacpp-bf16", "--gguf-bf16", args.gguf_bf16),
+        ("llamacpp-q4_1", "--gguf-q4", args.gguf_q4),
+    ):
         if args.engines and engine in args.engines and not gguf:  # asked for, but no file
             ap.error(f"{engine} needs {flag} FILE (scripts/peer_models.sh makes it)")
         if gguf and not Path(gguf).is_file():

@@ -151,12 +151,10 @@ class Engine:
         if not (self.cfg.compile and compile_enabled()):
             return
         batches = batch_sizes(self.cfg.max_running_requests)
-        if self.drafting is None:
-            self.target.compile_decode((), batches=batches)
-        else:  # plain steps capture the drafter's context (under ``ar`` too: a later policy
-            # drafts from it), and so does verification, compiled where a policy drafts
-            layers = tuple(self.drafting.drafter.cfg.target_layer_ids)
-            self.target.compile_decode(layers, self.policy != "ar", batches=batches)
+        # plain steps capture the drafter's context (under ``ar`` too: a later policy drafts
+        # from it), and so does verification, compiled where a policy drafts
+        multi = self.drafting is not None and self.policy != "ar"
+        self.target.compile_decode(self.capture, multi, batches=batches)
 
     # -- thread-safe control surface ----------------------------------------------------------
     def add_request(
@@ -226,6 +224,11 @@ class Engine:
         return self.scheduler.waiting
 
     @property
+    def capture(self) -> tuple[int, ...]:
+        """The target layers every pass captures: the drafter's context layers, if any."""
+        return () if self.drafting is None else tuple(self.drafting.drafter.cfg.target_layer_ids)
+
+    @property
     def drafter(self) -> DFlashDrafter | None:
         return None if self.drafting is None else self.drafting.drafter
 
@@ -248,11 +251,7 @@ class Engine:
             prefills = [p for p in prefills if p.req is suspect]
             chosen = [suspect] if suspect.prefill_done else []
         graph = self.target.decode_graph  # what the cost model's tables time: the graphs now
-        if graph is None:
-            self.cost.compiled((), 0)
-        else:
-            capture = () if self.drafting is None else self.drafting.drafter.cfg.target_layer_ids
-            self.cost.compiled(*graph.compiled(tuple(capture)))
+        self.cost.compiled(*(((), 0) if graph is None else graph.compiled(self.capture)))
         ctx = PolicyContext(
             self.block_size,
             self.gamma,
