@@ -30,7 +30,7 @@ from adaflash.config import DrafterConfig, EngineConfig, SamplingParams, TargetC
 from adaflash.engine.engine import Engine
 from adaflash.hardware import machine
 from adaflash.metrics import speedup
-from adaflash.models.decode_graph import gemm_autotuned
+from adaflash.models.decode_graph import compiled_route
 from adaflash.models.decode_graph import name as graph_name
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.target import PackedBatch, TargetModel
@@ -247,7 +247,7 @@ def main() -> None:
         "rows": rows,
         "verify_cost": costs,
         "compile_s": {k: round(v, 1) for k, v in compile_s.items()},
-        "gemm_autotune": gemm_autotuned(target),
+        "compiled_route": compiled_route(target),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

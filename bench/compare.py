@@ -78,7 +78,7 @@ from adaflash.engine.request import Request
 from adaflash.engine.round import Propose, draft_tokens
 from adaflash.hardware import cpu_info
 from adaflash.metrics import speedup
-from adaflash.models.decode_graph import batch_sizes, compile_now, gemm_autotuned
+from adaflash.models.decode_graph import batch_sizes, compile_now, compiled_route
 from adaflash.models.drafter import DFlashDrafter, load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import REPO, repo_relative
@@ -176,7 +176,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams)
     t0 = time.perf_counter()
     recs = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
-    c = engine.counters
+    c, st = engine.counters, engine.stats
     return {
         "tokens_per_s": engine.stats.output_tokens / wall,
         "accept_len": c.accept_len,
@@ -185,6 +185,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams)
         "_pricing": {  # the cost policy's predicted step time against the measured (seconds)
             "drafting": (engine.stats.predicted_drafting_s, engine.stats.measured_drafting_s),
             "plain": (engine.stats.predicted_plain_s, engine.stats.measured_plain_s),
+            # its steps that drafted: tokens it expected of them against tokens they committed
+            "tokens": (st.expected_drafting_tokens, st.realised_drafting_tokens),
         },
         "_outputs": {tuple(p): list(r.output_ids) for p, r in zip(prompts, recs, strict=True)},
     }
@@ -478,6 +480,10 @@ def policy_rows(domain: str, c: int, runs: dict[Key, list[dict]]) -> list[dict]:
                 if meas > 0:
                     row[f"{kind}_steps_s"] = round(meas, 3)
                     row[f"{kind}_predicted_over_measured"] = round(pred / meas, 3)
+            expected = sum(p["tokens"][0] for p in pricing if "tokens" in p)
+            realised = sum(p["tokens"][1] for p in pricing if "tokens" in p)
+            if realised > 0:
+                row["drafting_tokens_expected_over_realised"] = round(expected / realised, 3)
         if drafter is not None:
             row["accept_len"] = round(statistics.median(r["accept_len"] for r in reps), 4)
             row["verify_len"] = round(statistics.median(r["verify_len"] for r in reps), 4)
@@ -988,6 +994,13 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=0, help="policy study: the weak drafter's seed")
     ap.add_argument(
+        "--drafters",
+        nargs="+",
+        choices=POLICY_DRAFTERS,
+        default=list(POLICY_DRAFTERS),
+        help="policy study: the drafters to run (default all three; a subset for a probe)",
+    )
+    ap.add_argument(
         "--no-hf",
         action="store_true",
         help="policy study: leave out HF generate (bench/peers.py has it)",
@@ -1046,7 +1059,11 @@ def main() -> None:
     )
     served = copy.deepcopy(shipped).to(getattr(torch, args.dtype)).eval()  # as serve runs it
     weak = weak_drafter(shipped, args.seed).to(served.dtype)
-    drafters = {"shipped": served, "weak": weak, "oracle": served}
+    drafters = {
+        name: d
+        for name, d in (("shipped", served), ("weak", weak), ("oracle", served))
+        if name in args.drafters
+    }
     compile_s = (  # what `serve` compiles in the background, here before any cell
         compile_now(
             target,
@@ -1079,7 +1096,7 @@ def main() -> None:
         "rows": rows,
         "adaptation_curves": curves,
         "compile_s": compile_s,
-        "gemm_autotune": gemm_autotuned(target),
+        "compiled_route": compiled_route(target),
         "minutes": round((time.time() - t_start) / 60, 1),
         "machine": {
             "platform": platform.platform(),

@@ -83,7 +83,7 @@ def main() -> None:
         print(json.dumps(arm(args.arm, args.batch, args.seconds, args.threads)), flush=True)
         os._exit(0)  # the compile thread may still run: do not wait for it
     from adaflash.hardware import machine
-    from adaflash.models.decode_graph import autotune
+    from adaflash.models.decode_graph import routes
 
     rows = []
     for name in ARMS:
@@ -98,7 +98,8 @@ def main() -> None:
         "settings": {
             "batch": args.batch,
             "seconds": args.seconds,
-            "gemm_autotune": autotune(),  # None: timed both ways on the first graph
+            # the compiled steps' candidate routes (several: timed on the first graph)
+            "routes": [r.as_dict() for r in routes()],
         },
         "machine": machine() | {"threads": args.threads},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

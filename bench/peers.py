@@ -44,7 +44,7 @@ from adaflash.cli import default_drafter, encode_prompt
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.hardware import cpu_info
-from adaflash.models.decode_graph import batch_sizes, compile_now, gemm_autotuned
+from adaflash.models.decode_graph import batch_sizes, compile_now, compiled_route
 from adaflash.models.drafter import load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import repo_relative
@@ -176,7 +176,7 @@ def main() -> None:
             [tuple(drafter.cfg.target_layer_ids)] if drafter is not None and speculative else []
         )
         compile_s = compile_now(target, graphs, batch_sizes(max(args.batches)))
-    tune = gemm_autotuned(target)
+    route = compiled_route(target)
     runners: dict[str, Run] = {"adaflash-ar": adaflash_runner(target, None, "ar")}
     if not args.no_compile:
         runners["adaflash-ar-eager"] = adaflash_runner(target, None, "ar", compiled=False)
@@ -233,7 +233,7 @@ def main() -> None:
             "drafter": repo_relative(drafter_dir) if drafter_dir else None,
             "compiled_decode": not args.no_compile,
             "compile_s": compile_s,  # per graph; [] = plain decoding
-            "gemm_autotune": tune,
+            "compiled_route": route,  # GEMV kernel / autotuned GEMMs (decode_graph.Route)
             "note": args.note,
         },
         "machine": {

@@ -76,6 +76,10 @@ class EngineStats:
     measured_drafting_s: float = 0.0
     predicted_plain_s: float = 0.0
     measured_plain_s: float = 0.0
+    # … and its expected tokens of the steps that drafted against the tokens they committed
+    # (how well the acceptance profiles predict: a plan that expects more than it gets loses)
+    expected_drafting_tokens: float = 0.0
+    realised_drafting_tokens: float = 0.0
 
 
 @dataclass
@@ -311,6 +315,10 @@ class Engine:
         if res.drafted:
             self.stats.predicted_drafting_s += predicted
             self.stats.measured_drafting_s += measured
+            expected = self._policy.expected_tokens
+            if expected is not None:
+                self.stats.expected_drafting_tokens += expected
+                self.stats.realised_drafting_tokens += sum(1 + v.accepted for v in res.verified)
         else:
             self.stats.predicted_plain_s += predicted
             self.stats.measured_plain_s += measured

@@ -4,8 +4,9 @@ At batch 1 a decode step is 121 GEMVs with ~2,500 small PyTorch ops around them,
 the ops between the GEMVs cost about as much as the GEMVs (measured on this project's machine,
 2 threads: 25.7 ms a step, 13.6 of them GEMVs). Compiled, the step runs as generated C++ with
 fused elementwise kernels and prepacked weights, no Python between ops, and GEMMs autotuned
-against inductor's own C++ GEMV template where that wins (12.7 ms a step, docs/results/engine/;
-``autotune``: on some CPUs it is timed once per machine, both ways, and remembered).
+against inductor's own C++ GEMV template where that wins (12.7 ms a step, docs/results/engine/),
+or with the one-row projections through our GEMV kernel (``Route``: where the choice differs
+between CPUs, the first graph is built each way, timed, and the choice remembered per machine).
 
 The graph reads the request's past keys/values straight from its KV-pool row — a block
 ``(layers, 2, kv_heads, capacity, d)`` whose strides depend only on the capacity, marked dynamic,
@@ -50,6 +51,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -117,37 +119,61 @@ def compile_enabled() -> bool:
     return os.environ.get("ADAFLASH_COMPILE", "1") != "0"
 
 
-def autotune() -> bool | None:
-    """Whether the compiled steps' GEMMs are autotuned between oneDNN and inductor's C++
-    micro-kernel template: ``ADAFLASH_AUTOTUNE=1``/``0`` decides; by default yes, except on a
-    CPU with AVX512-BF16 but no AMX, where None: measure (``DecodeGraph``). Measured (2 threads
-    unless said, batch 1, SmolLM2-135M): on an AMX Xeon the template's GEMV won over oneDNN's
-    (9.4 vs 17.2 ms over the 120 per-layer projections, one thread); without native bf16 it is
-    the one kernel that does not stream fp32 weight copies. With AVX512-BF16 and no AMX it went
-    both ways: on an AMD EPYC of family 26 a step took 12.1 ms autotuned vs 9.4 ms oneDNN only
-    (16 verified tokens 32.0 vs 15.3 ms), on one of family 25 9.0 vs 15.5 ms (16 tokens 32.0 vs
-    32.5)."""
+@dataclass(frozen=True)
+class Route:
+    """How the compiled steps multiply. ``gemv``: a one-row step (batch-1 decode) sends its
+    projections through the GEMV kernel (``models/gemv.py``; steps of more rows use it wherever
+    it takes their rows, whatever the route); ``tune``: GEMMs autotuned between oneDNN and
+    inductor's C++ micro-kernel template, else oneDNN only."""
+
+    gemv: bool
+    tune: bool
+
+    def label(self) -> str:
+        return ("gemv kernel" if self.gemv else "template" if self.tune else "onednn") + (
+            ", wider GEMMs autotuned" if self.gemv and self.tune else ""
+        )
+
+    def as_dict(self) -> dict[str, bool]:
+        return {"gemv": self.gemv, "autotune": self.tune}
+
+
+def routes() -> tuple[Route, ...]:
+    """The routes worth building for the first graph (one: decided; several: each is built and
+    timed there, the fastest serves: ``DecodeGraph._choose``). The one-row step goes through the
+    GEMV kernel where it serves, or through the GEMM that autotuning picks — and which wins
+    depends on the CPU, not on its class: with AVX512-BF16 and no AMX, the kernel won on an AMD
+    EPYC of family 26 (8.6 vs 9.9 ms a step with oneDNN) and lost on one of family 25 model 17
+    to inductor's template (47.2 vs 71.2 tok/s at batch 1, docs/results/engine/peers_zen4_gemv).
+    Autotuning (``ADAFLASH_AUTOTUNE=1``/``0`` decides it) is on, except that with AVX512-BF16 and
+    no AMX oneDNN is a candidate too: on an AMX Xeon the template won over oneDNN (9.4 vs 17.2 ms
+    over the 120 per-layer projections, one thread); without native bf16 it is the one kernel
+    that does not stream fp32 weight copies; with AVX512-BF16 and no AMX it went both ways (family
+    26: 12.1 ms autotuned vs 9.4 ms oneDNN, 16 verified tokens 32.0 vs 15.3 ms; family 25: 9.0 vs
+    15.5 ms, 16 tokens 32.0 vs 32.5), and beside the kernel the wider GEMMs stay on oneDNN (it won
+    or tied on both)."""
     raw = os.environ.get("ADAFLASH_AUTOTUNE")
-    if raw is not None:
-        return raw != "0"
     flags = cpu_flags() or frozenset()
-    if "avx512_bf16" not in flags or "amx_bf16" in flags:
-        return True  # (a graph whose projections all go through the GEMV kernel has none to tune)
-    # where the GEMV kernel takes the one-row projections, what is left to choose
-    # for are the wider ones, and there oneDNN won or tied on both CPUs measured (above)
-    return False if gemv_kernel.available() else None
+    if raw is not None:
+        tunes: tuple[bool, ...] = (raw != "0",)
+    elif "avx512_bf16" in flags and "amx_bf16" not in flags:
+        tunes = (True, False)
+    else:
+        tunes = (True,)
+    kernel = (Route(True, tunes[-1]),) if gemv_kernel.available() else ()
+    return kernel + tuple(Route(False, t) for t in tunes)
 
 
 AUTOTUNE_MARGIN = 0.05  # a measured choice is remembered when it wins by this much
 
 
-def _autotune_file() -> Path:
-    return cache_dir() / "autotune.json"
+def _routes_file() -> Path:
+    return cache_dir() / "routes.json"
 
 
-def _autotune_key(target: TargetModel) -> str:
-    """What the autotuning choice depends on: this CPU, torch and thread count, and the model's
-    shapes, dtype and device."""
+def _route_key(target: TargetModel) -> str:
+    """What the route depends on: this CPU, torch and thread count, and the model's shapes,
+    dtype and device."""
     fields = cpuinfo() or {}
     cpu = "/".join(fields.get(k, "?") for k in ("model name", "cpu family", "model"))
     flags = ",".join(cast("list[str]", cpu_info()["flags"]))
@@ -160,37 +186,40 @@ def _autotune_key(target: TargetModel) -> str:
     )
 
 
-def remembered_autotune(target: TargetModel) -> bool | None:
-    """The choice measured earlier on this machine (``autotune.json`` in the cache), or None."""
+def remembered_route(target: TargetModel, among: tuple[Route, ...]) -> Route | None:
+    """The route measured earlier on this machine (``routes.json`` in the cache) if it is one
+    of ``among`` (what may be chosen now), or None."""
     try:
-        seen = json.loads(_autotune_file().read_text())
+        seen = json.loads(_routes_file().read_text())
     except (OSError, ValueError):
         return None
-    entry = seen.get(_autotune_key(target)) if isinstance(seen, dict) else None
-    choice = entry.get("autotune") if isinstance(entry, dict) else None
-    return choice if isinstance(choice, bool) else None
+    entry = seen.get(_route_key(target)) if isinstance(seen, dict) else None
+    chosen = entry.get("route") if isinstance(entry, dict) else None
+    if not isinstance(chosen, dict):
+        return None
+    return next((r for r in among if r.as_dict() == chosen), None)
 
 
-def remember_autotune(target: TargetModel, choice: bool, ms: dict[str, float]) -> None:
-    """Keep the measured choice for later processes on this machine (best effort; the file is
+def remember_route(target: TargetModel, choice: Route, ms: dict[str, float]) -> None:
+    """Keep the measured route for later processes on this machine (best effort; the file is
     replaced whole, never left half-written; an unreadable one starts over)."""
-    path = _autotune_file()
+    path = _routes_file()
     try:
         seen = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         seen = {}
     seen = seen if isinstance(seen, dict) else {}
-    seen[_autotune_key(target)] = {"autotune": choice, "step_ms": ms}
+    seen[_route_key(target)] = {"route": choice.as_dict(), "step_ms": ms}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps(seen, indent=1))
     except OSError as e:
-        log.warning("could not remember the GEMM autotuning choice in %s: %s", path, e)
+        log.warning("could not remember the compiled steps' route in %s: %s", path, e)
 
 
 def options(device: torch.device, tune: bool) -> dict[str, object]:
     """Inductor settings: weights frozen (constants, prepacked), a C++ wrapper, and on a CPU
-    with ``tune`` the GEMMs autotuned (``autotune``)."""
+    with ``tune`` the GEMMs autotuned (``Route``)."""
     opts: dict[str, object] = {"freezing": True}
     if device.type == "cpu":
         opts["cpp_wrapper"] = True
@@ -204,12 +233,16 @@ class _Step(nn.Module):
     the target's weights (fused q|k|v and gate|up where the target fused them)."""
 
     def __init__(
-        self, target: TargetModel, capture: tuple[int, ...] = (), widen: bool = False
+        self,
+        target: TargetModel,
+        capture: tuple[int, ...] = (),
+        widen: bool = False,
+        gemv: bool = True,  # few-row projections through the GEMV kernel, where one serves
     ) -> None:
         super().__init__()
         self.target, self.capture, self.widen = target, capture, widen
         cpu_bf16 = target.device.type == "cpu" and target.dtype == torch.bfloat16
-        self.gemv_rows = gemv_kernel.max_rows() if cpu_bf16 else 0
+        self.gemv_rows = gemv_kernel.max_rows() if cpu_bf16 and gemv else 0
         self.qkv = nn.ParameterList()
         self.gate_up = nn.ParameterList()
         for layer in cast("list[DecoderLayer]", target.layers):
@@ -334,8 +367,9 @@ class DecodeGraph:
         self._asked: set[Key] = set()
         self._queue: queue.SimpleQueue[Key] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        # GEMMs autotuned; None: measured at the first compile (CPU only: ``options``)
-        self.tune = autotune() if target.device.type == "cpu" else True
+        # how the steps multiply (``Route``); None: measured at the first compile
+        self.routes = routes() if target.device.type == "cpu" else (Route(False, True),)
+        self.route: Route | None = self.routes[0] if len(self.routes) == 1 else None
         self.steps = 0  # steps served compiled
         self.tokens = 0  # their new tokens (more than steps: verification or batches ran compiled)
 
@@ -405,9 +439,9 @@ class DecodeGraph:
     def _compile(self, key: Key) -> None:
         t0 = time.perf_counter()
         try:
-            if self.tune is None:
-                self.tune = remembered_autotune(self.target)
-            fn = self._build(key, self.tune) if self.tune is not None else self._choose(key)
+            if self.route is None:
+                self.route = remembered_route(self.target, self.routes)
+            fn = self._build(key, self.route) if self.route is not None else self._choose(key)
             self.graphs[key] = fn
             self.compile_s[key] = time.perf_counter() - t0
             log.info("compiled the decode step %s in %.1f s", key, self.compile_s[key])
@@ -435,22 +469,24 @@ class DecodeGraph:
         rows = torch.arange(batch, device=dev)
         return torch.zeros(batch, dtype=torch.long, device=dev), rows, pos, pool
 
-    def _build(self, key: Key, tune: bool) -> Callable[..., tuple]:
-        """Compile ``key``'s step (GEMMs autotuned if ``tune``) and run it at two capacities
-        (and pool sizes), which checks that the dynamic dims hold."""
+    def _build(self, key: Key, route: Route) -> Callable[..., tuple]:
+        """Compile ``key``'s step the ``route``'s way and run it at two capacities (and pool
+        sizes), which checks that the dynamic dims hold."""
         import torch._inductor.config as inductor
 
         capture, n, batch = key
         # one function per key: the new tokens and the batch size stay static. Dynamo caches
         # them all under one code object (``DecodeStep.forward``), whose default limit of 8
-        # entries would refuse a ninth graph: room for every key (twice, where both GEMM
-        # choices are measured)
+        # entries would refuse a ninth graph: room for every key (and the routes measured)
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, 64)
         module = DecodeStep if batch == 1 else BatchDecodeStep
-        step = module(self.target, capture, widen(self.target.dtype, n if batch == 1 else 1))
+        rows = n if batch == 1 else batch
+        gemv = route.gemv or rows > 1  # the route decides the one-row step (``Route``)
+        wide = widen(self.target.dtype, n if batch == 1 else 1)  # (batched rows stay bf16)
+        step = module(self.target, capture, wide, gemv)
         fn = torch.compile(step.eval(), fullgraph=True)
-        with inductor.patch(options(self.target.device, tune)):
+        with inductor.patch(options(self.target.device, route.tune)):
             for cap in (24, 40):
                 args = self._inputs(key, cap)
                 with torch.no_grad():  # as served (see ``step``)
@@ -458,37 +494,37 @@ class DecodeGraph:
         return fn
 
     def _choose(self, key: Key) -> Callable[..., tuple]:
-        """``key``'s step built both ways — GEMMs autotuned and oneDNN only — and timed: the
-        faster serves and sets ``tune`` for every later graph. It is remembered for later
-        processes when it wins by ``AUTOTUNE_MARGIN`` (a near-tie is measured again next
-        time). Where one way fails to build, the other serves, remembered for nothing."""
-        built: dict[bool, Callable[..., tuple]] = {}
+        """``key``'s step built every way in ``routes`` and timed: the fastest serves and
+        sets the route of every later graph. It is remembered for later processes when it wins
+        by ``AUTOTUNE_MARGIN`` over the next (a near-tie is measured again next time). Where
+        some fail to build, the fastest of the others serves, remembered only if none failed."""
+        built: dict[Route, Callable[..., tuple]] = {}
         errors = []
-        for tune in (True, False):
+        for route in self.routes:
             try:
-                built[tune] = self._build(key, tune)
+                built[route] = self._build(key, route)
             except Exception as e:
                 errors.append(e)
-                log.warning("building the decode step %s with tune=%s failed: %s", key, tune, e)
+                log.warning("building the decode step %s as %s failed: %s", key, route, e)
         if not built:
             raise errors[-1]
         if len(built) == 1:
-            self.tune = next(iter(built))
-            return built[self.tune]
+            self.route = next(iter(built))
+            return built[self.route]
         ms = self._time(built, key)
-        self.tune = ms[True] < ms[False]
-        slow, fast = max(ms.values()), min(ms.values())
-        timed = {"autotuned": ms[True], "onednn": ms[False]}
-        if slow > fast * (1 + AUTOTUNE_MARGIN):
-            remember_autotune(self.target, self.tune, timed)
-        log.info("GEMM autotuning %s here: a step %s", "on" if self.tune else "off", timed)
-        return built[self.tune]
+        self.route = min(ms, key=ms.__getitem__)
+        fast, runner_up = sorted(ms.values())[:2]
+        timed = {r.label(): v for r, v in ms.items()}
+        if runner_up > fast * (1 + AUTOTUNE_MARGIN) and not errors:
+            remember_route(self.target, self.route, timed)
+        log.info("compiled steps go through the %s here: a step %s", self.route.label(), timed)
+        return built[self.route]
 
-    def _time(self, fns: dict[bool, Callable[..., tuple]], key: Key, calls: int = 12) -> dict:
+    def _time(self, fns: dict[Route, Callable[..., tuple]], key: Key, calls: int = 12) -> dict:
         """Median milliseconds of each of ``fns`` over a 256-position pool half in use, their
         calls interleaved (whatever else runs meanwhile slows both alike)."""
         args = self._inputs(key, 256)
-        times: dict[bool, list[float]] = {k: [] for k in fns}
+        times: dict[Route, list[float]] = {k: [] for k in fns}
         with torch.no_grad():
             for i in range(calls + 2):
                 for k, fn in fns.items():
@@ -592,10 +628,11 @@ def quick_gil_handoff() -> Iterator[None]:
                 sys.setswitchinterval(_handoff_saved)
 
 
-def gemm_autotuned(target: TargetModel) -> bool | None:
-    """Whether the target's compiled steps autotune their GEMMs (None: nothing compiled), for
-    benchmarks' result files."""
-    return None if target.decode_graph is None else target.decode_graph.tune
+def compiled_route(target: TargetModel) -> dict[str, bool] | None:
+    """How the target's compiled steps multiply (``Route``; None: not decided, nothing
+    compiled), for benchmarks' result files."""
+    graph = target.decode_graph
+    return None if graph is None or graph.route is None else graph.route.as_dict()
 
 
 def compile_now(

@@ -31,6 +31,35 @@ def req(i: int) -> Request:
     return r
 
 
+def test_a_requests_profile_estimates_each_slots_acceptance_after_the_one_before():
+    """Each slot accepted 70% of the time once the slot before it was (until the first miss):
+    the planned survival of slot i is 0.7^i, for the request and engine-wide, whatever the
+    verified width was (a round that missed at slot 2 says nothing about slot 5)."""
+    k = 8
+    policy = CostPolicy(k)
+    r = req(0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        accepted = int((torch.rand(k - 1, generator=g) < 0.7).cumprod(0).sum())
+        policy.observe(r, k, accepted, k)
+    conditional = [ok / seen for ok, seen in zip(policy.ok, policy.seen, strict=True)]
+    assert all(abs(a - 0.7) < 0.06 for a in conditional[:4]), conditional
+    survival = policy.survival(req(1), k)  # a new request: the engine-wide profile
+    assert all(abs(s - 0.7 ** (i + 1)) < 0.15 * 0.7 ** (i + 1) for i, s in enumerate(survival[:4]))
+    mine = policy.survival(r, k)  # its own: its last ~10 rounds, so only roughly
+    assert 0.4 < mine[0] < 0.95 and mine[3] < mine[2] < mine[1] < mine[0]
+    # what a planned step expects: the bonus token plus each verified slot's survival
+    cost = CostModel()
+    for n in range(1, 20):  # verifying is nearly free next to a step's base cost
+        cost.observe_target(n, 1, 0.040 + 0.0005 * n)
+        cost.observe_drafter(1, 0.005)
+    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
+    new = req(2)
+    assert policy.drafters([new], ctx) == [new]
+    w = int(policy.widths([new], None, ctx)[0])
+    assert w > 2 and policy.expected_tokens == 1 + sum(survival[: w - 1])
+
+
 def test_cost_policy_drafts_only_when_it_pays():
     k = 8
     cost = CostModel()
@@ -310,13 +339,17 @@ def test_a_plain_price_is_stale_until_measured_and_again_after_a_while():
     assert not cost.plain_stale(16) and cost.plain_stale(1)  # 1 was timed one pass earlier
     cost.observe_target(48, 16, 0.150)
     assert cost.plain_stale(16)
-    assert not cost.plain_stale(20)  # no compiled batch runs 20: eager, priced by the line
+    assert cost.plain_stale(20)  # no compiled batch runs 20: eager, and never timed either
     cost.observe_target(16, 16, 0.060)  # another process took a core: the late timing counts
     assert abs(cost.target_s(16, 16) - 0.050) < 1e-6  # for half (REFRESH_RATE) …
     cost.observe_target(16, 16, 0.060)
     assert abs(cost.target_s(16, 16) - 0.051) < 1e-6  # … a fresh one for a tenth
-    eager = CostModel()  # nothing compiled: no plain step is ever forced
-    assert not eager.plain_stale(1) and not eager.plain_stale(16)
+    eager = CostModel()  # nothing compiled: the line through verifying passes does not price
+    for _ in range(20):  # a plain one either, so an eager plain step is timed all the same
+        eager.observe_target(48, 16, 0.400)
+    assert eager.plain_stale(16) and eager.plain_stale(1)
+    eager.observe_target(16, 16, 0.190)
+    assert not eager.plain_stale(16) and eager.target_s(16, 16) == 0.190
 
 
 def test_a_drafter_that_always_pays_still_times_the_plain_step_it_beats():

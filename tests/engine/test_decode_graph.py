@@ -11,7 +11,7 @@ import torch
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.models import decode_graph
-from adaflash.models.decode_graph import DecodeGraph
+from adaflash.models.decode_graph import DecodeGraph, Route
 from adaflash.models.target import PackedBatch, load_target
 from tests.engine.conftest import random_drafter
 from tests.engine.oracle import OracleEngine, PinnedCost, from_references
@@ -204,53 +204,83 @@ def test_a_verification_takes_the_smallest_compiled_width_that_holds_it(tiny, mo
     assert decode_graph.verify_widths() == ()
 
 
-def test_gemms_are_autotuned_or_measured_where_cpus_of_a_class_went_both_ways(monkeypatch):
-    for flags, kernel, tuned in (
-        ({"avx512f"}, False, True),  # no native bf16: the template widens bf16 in registers
-        ({"avx512_bf16", "amx_bf16"}, True, True),  # AMX: the template's GEMV won
-        # AVX512-BF16 alone: oneDNN won on one CPU, lost on another (measure) — unless the GEMV
-        # kernel takes the one-row projections: then oneDNN (it won or tied on wider ones)
-        ({"avx512_bf16"}, False, None),
-        ({"avx512_bf16"}, True, False),
+def test_the_routes_measured_are_those_that_went_both_ways_on_cpus_of_a_class(monkeypatch):
+    K, T, D = Route(True, True), Route(False, True), Route(False, False)  # D: oneDNN
+    K1 = Route(True, False)  # the kernel, wider GEMMs on oneDNN
+    for flags, kernel, candidates in (
+        ({"avx512f"}, False, (T,)),  # no native bf16, no kernel: the template widens in registers
+        ({"avx2", "fma"}, True, (K, T)),  # the kernel against the template (one row)
+        ({"avx512_bf16", "amx_bf16"}, False, (T,)),  # AMX: the template won over oneDNN
+        ({"avx512_bf16", "amx_bf16"}, True, (K, T)),
+        # AVX512-BF16 alone: oneDNN won on one CPU, lost on another, and so did the kernel
+        ({"avx512_bf16"}, False, (T, D)),
+        ({"avx512_bf16"}, True, (K1, T, D)),
     ):
         monkeypatch.setattr(decode_graph, "cpu_flags", lambda flags=flags: frozenset(flags))
         monkeypatch.setattr(decode_graph.gemv_kernel, "available", lambda kernel=kernel: kernel)
         monkeypatch.delenv("ADAFLASH_AUTOTUNE", raising=False)
-        assert decode_graph.autotune() is tuned
+        assert decode_graph.routes() == candidates, flags
         monkeypatch.setenv("ADAFLASH_AUTOTUNE", "0")
-        assert decode_graph.autotune() is False
+        assert decode_graph.routes() == ((K1,) if kernel else ()) + (D,)
         monkeypatch.setenv("ADAFLASH_AUTOTUNE", "1")
-        assert decode_graph.autotune() is True
+        assert decode_graph.routes() == ((K,) if kernel else ()) + (T,)
 
 
-@pytest.mark.parametrize("faster", [True, False])
-def test_where_autotuning_is_measured_the_faster_graph_serves_and_is_remembered(
-    tiny_llama, tmp_path, monkeypatch, faster
+@pytest.mark.parametrize("fastest", [0, 1, 2])
+def test_where_the_route_is_measured_the_fastest_graph_serves_and_is_remembered(
+    tiny_llama, tmp_path, monkeypatch, fastest
 ):
-    """Both choices are built for the first graph and timed; the faster serves, every later
-    graph (and a later process on this machine, for this model) takes the same choice
+    """Every candidate route is built for the first graph and timed; the fastest serves, every
+    later graph (and a later process on this machine, for this model) takes the same route
     without measuring again. Builds are stand-ins: this is about the choice, not inductor."""
     _, target, _ = tiny_llama
     monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
-    monkeypatch.delenv("ADAFLASH_AUTOTUNE", raising=False)
-    monkeypatch.setattr(decode_graph, "autotune", lambda: None)
-    built: list[tuple[tuple, bool]] = []
+    candidates = (Route(True, False), Route(False, True), Route(False, False))
+    monkeypatch.setattr(decode_graph, "routes", lambda: candidates)
+    best = candidates[fastest]
+    built: list[tuple[tuple, Route]] = []
 
-    def build(self, key, tune):  # a step that takes 6 ms with the slower choice, 1 ms else
-        built.append((key, tune))
-        return lambda *args: time.sleep(0.001 if tune is faster else 0.006)
+    def build(self, key, route):  # a step that takes 1 ms the fastest way, 6 ms else
+        built.append((key, route))
+        return lambda *args: time.sleep(0.001 if route == best else 0.006)
 
     monkeypatch.setattr(DecodeGraph, "_build", build)
     graph = DecodeGraph(target)
     graph.request((), multi=True, background=False)
-    assert graph.tune is faster and not graph.failed
-    first = [(((), 1, 1), True), (((), 1, 1), False)]
-    assert built == first + [(((), w, 1), faster) for w in decode_graph.verify_widths()]
-    assert decode_graph.remembered_autotune(target) is faster
+    assert graph.route == best and not graph.failed
+    assert decode_graph.compiled_route(target) is None  # (this graph is not the target's)
+    first = [(((), 1, 1), r) for r in candidates]
+    assert built == first + [(((), w, 1), best) for w in decode_graph.verify_widths()]
+    assert decode_graph.remembered_route(target, candidates) == best
+    assert decode_graph.remembered_route(target, candidates[fastest + 1 :]) is None  # not now
     built.clear()
     again = DecodeGraph(target)  # a later process: remembered, nothing measured
     again.request((), background=False)
-    assert built == [(((), 1, 1), faster)]
+    assert built == [(((), 1, 1), best)]
+
+
+def test_the_route_decides_the_one_row_step_and_wider_steps_keep_the_kernel(
+    tiny_llama, monkeypatch
+):
+    _, target, _ = tiny_llama
+    monkeypatch.setattr(decode_graph.gemv_kernel, "max_rows", lambda: 16)
+    steps: list[tuple[type, bool]] = []
+    real = decode_graph._Step.__init__
+
+    def record(self, target, capture=(), widen=False, gemv=True):
+        steps.append((type(self), gemv))
+        real(self, target, capture, widen, gemv)
+
+    monkeypatch.setattr(decode_graph._Step, "__init__", record)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *args: None)
+    graph = DecodeGraph(target)
+    for key in (((), 1, 1), ((), 4, 1), ((), 1, 4)):
+        graph._build(key, Route(False, True))
+    assert steps == [
+        (decode_graph.DecodeStep, False),  # one row: the template, as the route says
+        (decode_graph.DecodeStep, True),  # four rows: the kernel, where it takes them
+        (decode_graph.BatchDecodeStep, True),
+    ]
 
 
 def test_wide_bf16_graphs_multiply_with_fp32_weights_where_bf16_is_not_native(monkeypatch):
@@ -337,28 +367,32 @@ def test_a_choice_that_fails_to_build_or_wins_by_a_hair_serves_but_is_not_rememb
 ):
     _, target, _ = tiny_llama
     monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
-    monkeypatch.setattr(decode_graph, "autotune", lambda: None)
-    (tmp_path / "autotune.json").write_text("{not json")  # a file left half-written
+    kernel, template, onednn = Route(True, False), Route(False, True), Route(False, False)
+    monkeypatch.setattr(decode_graph, "routes", lambda: (kernel, template, onednn))
+    (tmp_path / "routes.json").write_text("{not json")  # a file left half-written
 
-    def build_failing(self, key, tune):
-        if tune:
+    def build_failing(self, key, route):
+        if route.tune:
             raise RuntimeError("the template does not build here")
-        return lambda *args: None
+        return lambda *args: time.sleep(0.001 if route.gemv else 0.006)
 
     monkeypatch.setattr(DecodeGraph, "_build", build_failing)
     graph = DecodeGraph(target)
     graph.request((), background=False)
-    assert graph.tune is False and not graph.failed and ((), 1, 1) in graph.graphs
-    assert decode_graph.remembered_autotune(target) is None  # one way never ran: measure again
+    assert graph.route == kernel and not graph.failed and ((), 1, 1) in graph.graphs
+    # one way never ran: measure again next time
+    assert decode_graph.remembered_route(target, graph.routes) is None
 
-    monkeypatch.setattr(DecodeGraph, "_build", lambda self, key, tune: lambda *args: None)
-    monkeypatch.setattr(DecodeGraph, "_time", lambda self, fns, key: {True: 1.00, False: 1.02})
+    monkeypatch.setattr(DecodeGraph, "_build", lambda self, key, route: lambda *args: None)
+    times = {kernel: 1.02, template: 1.00, onednn: 3.0}
+    monkeypatch.setattr(DecodeGraph, "_time", lambda self, fns, key: times)
     tie = DecodeGraph(target)
     tie.request((), background=False)
-    assert tie.tune is True and decode_graph.remembered_autotune(target) is None
+    assert tie.route == template and decode_graph.remembered_route(target, tie.routes) is None
 
-    monkeypatch.setattr(DecodeGraph, "_time", lambda self, fns, key: {True: 2.0, False: 1.0})
+    times[kernel] = 2.0
     clear = DecodeGraph(target)
     clear.request((), background=False)
-    assert clear.tune is False and decode_graph.remembered_autotune(target) is False
-    assert json.loads((tmp_path / "autotune.json").read_text())  # rewritten whole
+    assert clear.route == template
+    assert decode_graph.remembered_route(target, clear.routes) == template
+    assert json.loads((tmp_path / "routes.json").read_text())  # rewritten whole

@@ -61,6 +61,8 @@ def test_greedy_matches_hf_generate(tiny, references, policy, drafter_kind):
         # and the engine checked the policy's predicted step times against measured ones
         st = engine.stats
         assert st.predicted_drafting_s > 0 and st.measured_drafting_s > 0
+        # … and its expected tokens of those steps against what they committed
+        assert st.expected_drafting_tokens > 0 and st.realised_drafting_tokens > 0
         if drafter_kind == "random":  # (the oracle's drafts always pay: it drafts every step)
             assert st.predicted_plain_s > 0 and st.measured_plain_s > 0
 
