@@ -226,6 +226,37 @@ def test_lone_probes_cost_at_most_their_share_of_serving_time(monkeypatch):
     assert share > 4 * PROBE_SHARE
 
 
+def test_probes_that_ride_along_spend_the_budget_they_add():
+    """One request drafts in a step of 16 and the 15 others are due a probe: each that joins
+    adds a request to the drafter pass and three tokens to the target pass, so they join while
+    the budget lasts, not all at once (an eager step of 16 in which all drafted cost 3.3× a
+    plain one); with the budget spent, only the request that pays drafts."""
+    k, n = 8, 16
+    cost = CostModel()
+    for _ in range(10):
+        cost.observe_target(n, n, 0.200)  # a plain step of 16
+        for extra in (1, 8, 32, 48):  # a mixed pass: 5 ms per verified token
+            cost.observe_target(n + extra, n, 0.200 + 0.005 * extra)
+        for d in (1, 4, 16):
+            cost.observe_drafter(d, 0.010 + 0.020 * d)
+    policy = CostPolicy(k, probe_every=4)
+    ctx = PolicyContext(k, 1.0, cost, budget=16 * n, other_tokens=0)
+    good, others = req(0), [req(i) for i in range(1, n)]
+    for _ in range(20):
+        policy.observe(good, k, k - 1, k)  # everything accepted: drafting it pays
+    for r in others:
+        for _ in range(5):  # their drafts failed: drafting them does not pay …
+            policy.observe(r, 4, 0, k)
+        r.rounds = 20  # … and it was a while ago: every one is due a probe
+    spec = policy.drafters([good, *others], ctx)
+    riders = [r for r in spec if r is not good]
+    assert spec[0] is good and 2 <= len(riders) <= 10, len(riders)
+    assert policy.probe_budget_s <= 0
+    for r in riders:  # their probes found nothing
+        policy.observe(r, policy.probe_width, 0, k)
+    assert policy.drafters([good, *others], ctx) == [good]  # the rest wait for the budget
+
+
 def test_a_new_drafter_version_is_probed_at_once_again():
     k = 8
     policy = CostPolicy(k, probe_every=4)
