@@ -147,6 +147,17 @@ class EngineRunner:
     def cost_snapshot(self) -> dict[str, float] | None:
         return self.engine.cost.snapshot()
 
+    def policy_check(self) -> dict[str, float] | None:
+        st = self.engine.stats
+        return {
+            "drafting_steps_predicted_s": st.predicted_drafting_s,
+            "drafting_steps_measured_s": st.measured_drafting_s,
+            "plain_steps_predicted_s": st.predicted_plain_s,
+            "plain_steps_measured_s": st.measured_plain_s,
+            "drafting_tokens_expected": st.expected_drafting_tokens,
+            "drafting_tokens_realised": st.realised_drafting_tokens,
+        }
+
     def compiled_decode(self) -> tuple[str, int]:
         graph = self.engine.target.decode_graph
         return (graph.status(), graph.steps) if graph is not None else ("off", 0)

@@ -98,6 +98,18 @@ class EngineCollector:
             for term, value in cost.items():
                 gauge.add_metric([term], value)
             yield gauge
+        check = b.policy_check()
+        if check is not None:
+            plans = CounterMetricFamily(
+                "adaflash_policy_check",
+                "the cost policy's plans against what happened, summed over steps: predicted "
+                "and measured seconds of drafting and plain steps, expected and realised tokens "
+                "of drafting steps",
+                labels=["term"],
+            )
+            for term, value in check.items():
+                plans.add_metric([term], value)
+            yield plans
 
 
 def render(service: Service) -> bytes:

@@ -67,6 +67,12 @@ class Backend(Protocol):
         """The online cost estimates (``adaflash.cost_model``), None when not measured."""
         ...
 
+    def policy_check(self) -> dict[str, float] | None:
+        """The cost policy's plans against what happened: predicted and measured seconds of
+        the steps that drafted and of those that did not, and the tokens it expected of the
+        drafting steps against those they committed (None where no cost policy plans)."""
+        ...
+
     def compiled_decode(self) -> tuple[str, int]:
         """The compiled batch-1 step: ('ready' | 'compiling' | 'failed' | 'off', steps it ran)."""
         ...

@@ -248,6 +248,9 @@ class SGLangBackend:
     def cost_snapshot(self) -> dict[str, float] | None:
         return None  # SGLang schedules on its own; there is no cost-aware policy to feed
 
+    def policy_check(self) -> dict[str, float] | None:
+        return None
+
     def compiled_decode(self) -> tuple[str, int]:
         return "off", 0  # SGLang runs its own kernels
 
