@@ -124,7 +124,7 @@ PRIOR_WEIGHT = 1.0  # rounds' worth of the engine-wide profile mixed into each r
 START = (1.0, 2.0)  # engine-wide (accepted, verified) per slot before any round: a = 0.5, weak
 CAL_DECAY = 0.99  # per verified slot: the calibration follows its last ~100 verifications
 CAL_WEIGHT = 2.0  # planned tokens' worth of "as planned" it starts from
-PROBE_SHARE = 0.01  # lone probes spend at most this share of the serving time …
+PROBE_SHARE = 0.01  # probes spend at most this share of the serving time …
 PROBE_START_S = 0.25  # … after a start of this many seconds (also the budget's cap)
 
 
