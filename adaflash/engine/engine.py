@@ -309,7 +309,8 @@ class Engine:
 
     def _check_prediction(self, res: RoundResult) -> None:
         predicted = self._policy.predicted_s
-        if predicted is None or res.draft_failed:  # a failed drafter pass: not what was planned
+        # a failed drafter pass, or requests deferred over the budget: not what was planned
+        if predicted is None or res.draft_failed or res.deferred:
             return
         measured = (res.draft_ms + res.verify_ms) / 1e3
         if res.drafted:
