@@ -178,13 +178,13 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams)
     wall = time.perf_counter() - t0
     c, st = engine.counters, engine.stats
     return {
-        "tokens_per_s": engine.stats.output_tokens / wall,
+        "tokens_per_s": st.output_tokens / wall,
         "accept_len": c.accept_len,
         "verify_len": c.verify_len,
-        "output_tokens": engine.stats.output_tokens,
+        "output_tokens": st.output_tokens,
         "_pricing": {  # the cost policy's predicted step time against the measured (seconds)
-            "drafting": (engine.stats.predicted_drafting_s, engine.stats.measured_drafting_s),
-            "plain": (engine.stats.predicted_plain_s, engine.stats.measured_plain_s),
+            "drafting": (st.predicted_drafting_s, st.measured_drafting_s),
+            "plain": (st.predicted_plain_s, st.measured_plain_s),
             # its steps that drafted: tokens it expected of them against tokens they committed
             "tokens": (st.expected_drafting_tokens, st.realised_drafting_tokens),
         },

@@ -195,17 +195,25 @@ class CostPolicy(Policy):
             self.ok[i] = 0.995 * self.ok[i] + float(i < accepted)
 
     def survival(self, r: Request, block_size: int, calibrated: bool = True) -> list[float]:
-        """Π_{j≤i} a_j for slots i = 1 … k−1 of this request; ``calibrated``: times what the
-        slots planned so far actually returned per unit of planned survival (``calibration``),
-        never rising with i."""
+        """Π_{j≤i} a_j for slots i = 1 … k−1 of this request; ``calibrated``: as planned
+        (``calibrate``)."""
         seen, ok = profile(r, block_size)
-        kappa = self.calibration() if calibrated and len(self.cal_planned) == block_size - 1 else []
-        out, s, last = [], 1.0, 1.0
+        out, s = [], 1.0
         for i in range(block_size - 1):
             prior = self.ok[i] / max(self.seen[i], 1e-9)
             a = (ok[i] + PRIOR_WEIGHT * prior) / (seen[i] + PRIOR_WEIGHT)
             s *= min(max(a, 0.0), 1.0)
-            last = min(s * kappa[i], last) if kappa else s
+            out.append(s)
+        return self.calibrate(out) if calibrated else out
+
+    def calibrate(self, raw: list[float]) -> list[float]:
+        """``raw`` survival times what the slots planned so far actually returned per unit of
+        planned survival (``calibration``), never rising with i."""
+        if len(self.cal_planned) != len(raw):
+            return raw
+        out, last = [], 1.0
+        for s, kappa in zip(raw, self.calibration(), strict=True):
+            last = min(s * kappa, last)
             out.append(last)
         return out
 
@@ -282,7 +290,7 @@ class CostPolicy(Policy):
         # what bounds every plan below: a drafting step's target pass costs at least the plain
         # one (or the narrowest wider pass, where a fitted line tilts below it)
         least_pass = min(plain_s, ctx.cost.target_s(len(ready) + ctx.other_tokens + 1, len(ready)))
-        best_n, best_rate = 0, plain_rate
+        best_n, best_rate, best_widths = 0, plain_rate, {}
         tokens, pending = float(len(ready)), 0
         for n, r in enumerate(order, 1):
             tokens, pending = tokens + gain[id(r)], pending + ctx.pending(r)
@@ -293,9 +301,9 @@ class CostPolicy(Policy):
                 continue
             if ranked is None:
                 ranked = rank_slots(ready, surv)
-            rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds)
+            rate, widths = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds)
             if rate > best_rate:
-                best_n, best_rate = n, rate
+                best_n, best_rate, best_widths = n, rate, widths
         if best_n and not ctx.other_tokens and ctx.cost.plain_stale(ctx.requests or len(ready)):
             # drafting would pay by the estimates, but the compiled plain step it beats was
             # never timed at this batch size or not lately: this step is that plain step (a
@@ -315,7 +323,8 @@ class CostPolicy(Policy):
                 for r in order[best_n:]
                 if r.rounds - r.last_drafted >= (r.probe_gap or self.probe_gap)
             ]
-            stale = self.ride_along(chosen, sorted(due, key=ctx.pending), len(ready), ctx)
+            due.sort(key=ctx.pending)
+            stale = self.ride_along(chosen, best_widths, due, len(ready), ctx)
         else:
             self.idle_steps += 1
             lone = self.idle_steps >= self.probe_gap and self.probe_budget_s > 0
@@ -333,7 +342,12 @@ class CostPolicy(Policy):
         return spec
 
     def ride_along(
-        self, chosen: list[Request], due: list[Request], requests: int, ctx: PolicyContext
+        self,
+        chosen: list[Request],
+        widths: dict[int, int],  # their planned widths (``plan``)
+        due: list[Request],
+        requests: int,
+        ctx: PolicyContext,
     ) -> list[Request]:
         """The probes of ``due`` that join a step in which ``chosen`` draft, in order, each
         while the budget is positive and spending what it adds: one more request in the
@@ -343,7 +357,6 @@ class CostPolicy(Policy):
         if not due or self.probe_budget_s <= 0:
             return []
         plain = requests - len(chosen)
-        _, widths = self.plan(chosen, ctx, plain)
         n_tok = sum(widths.values()) + plain + ctx.other_tokens
         pending = sum(ctx.pending(r) for r in chosen)
         step_s = ctx.cost.drafter_s(len(chosen), pending) + ctx.cost.target_s(n_tok, requests)
@@ -370,21 +383,20 @@ class CostPolicy(Policy):
     def widths(
         self, spec: list[Request], a_hat: torch.Tensor | None, ctx: PolicyContext
     ) -> torch.Tensor:
-        _, widths = self.plan(spec, ctx, ctx.plain_requests)
+        k = ctx.block_size
+        raw = {id(r): self.survival(r, k, calibrated=False) for r in spec}
+        surv = {rid: self.calibrate(s) for rid, s in raw.items()}
+        _, widths = self.plan(spec, ctx, ctx.plain_requests, surv)
         chosen = [
             max(widths[id(r)], self.probe_width if id(r) in self.probing else 1) for r in spec
         ]
         n_req = len(spec) + ctx.plain_requests
         n_tok = sum(chosen) + ctx.plain_requests + ctx.other_tokens
         self.predicted_s = self.draft_s + ctx.cost.target_s(n_tok, n_req)
-        k = ctx.block_size
         self.expected_tokens = ctx.plain_requests + sum(
-            1.0 + sum(self.survival(r, k)[: w - 1]) for r, w in zip(spec, chosen, strict=True)
+            1.0 + sum(surv[id(r)][: w - 1]) for r, w in zip(spec, chosen, strict=True)
         )
-        self.planned = {
-            id(r): self.survival(r, k, calibrated=False)[: w - 1]
-            for r, w in zip(spec, chosen, strict=True)
-        }
+        self.planned = {id(r): raw[id(r)][: w - 1] for r, w in zip(spec, chosen, strict=True)}
         return torch.tensor(chosen)
 
 

@@ -89,27 +89,36 @@ class EngineCollector:
         )
         cost = b.cost_snapshot()
         if cost is not None:
-            gauge = GaugeMetricFamily(
-                "adaflash_cost_estimate",
-                "online cost model: target pass = base + per_token·tokens + per_request·"
-                "requests, drafter pass = base + per_request·requests (milliseconds)",
-                labels=["term"],
+            yield by_term(
+                GaugeMetricFamily(
+                    "adaflash_cost_estimate",
+                    "online cost model: target pass = base + per_token·tokens + per_request·"
+                    "requests, drafter pass = base + per_request·requests (milliseconds)",
+                    labels=["term"],
+                ),
+                cost,
             )
-            for term, value in cost.items():
-                gauge.add_metric([term], value)
-            yield gauge
         check = b.policy_check()
         if check is not None:
-            plans = CounterMetricFamily(
-                "adaflash_policy_check",
-                "the cost policy's plans against what happened, summed over steps: predicted "
-                "and measured seconds of drafting and plain steps, expected and realised tokens "
-                "of drafting steps",
-                labels=["term"],
+            yield by_term(
+                CounterMetricFamily(
+                    "adaflash_policy_check",
+                    "the cost policy's plans against what happened, summed over steps: "
+                    "predicted and measured seconds of drafting and plain steps, expected and "
+                    "realised tokens of drafting steps",
+                    labels=["term"],
+                ),
+                check,
             )
-            for term, value in check.items():
-                plans.add_metric([term], value)
-            yield plans
+
+
+def by_term(
+    family: GaugeMetricFamily | CounterMetricFamily, values: dict[str, float]
+) -> GaugeMetricFamily | CounterMetricFamily:
+    """``family`` (labelled by ``term``) with one sample per entry of ``values``."""
+    for term, value in values.items():
+        family.add_metric([term], value)
+    return family
 
 
 def render(service: Service) -> bytes:
