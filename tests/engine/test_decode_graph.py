@@ -10,7 +10,7 @@ import torch
 
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
-from adaflash.models import decode_graph
+from adaflash.models import decode_graph, gemv
 from adaflash.models.decode_graph import DecodeGraph, Route
 from adaflash.models.target import PackedBatch, load_target
 from tests.engine.conftest import random_drafter
@@ -322,6 +322,44 @@ def test_a_widened_step_computes_the_bf16_step(tiny):
     assert torch.equal(wide[0].argmax(-1), plain[0].argmax(-1))
     assert wide[1].dtype == torch.bfloat16  # new keys/values stay in the pool's dtype
     torch.testing.assert_close(wide[1].float(), plain[1].float(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.skipif(not gemv.available(), reason="the C++ kernels did not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_attention_op_computes_the_decomposed_attention(tiny, dtype):
+    """Uncompiled: the steps' attention through the C++ op (positions < pos of each row) gives
+    the decomposed attention's outputs (the whole capacity, masked), one request verifying
+    several tokens and a batch of requests on rows of the pool in any order."""
+    folder, _, _ = tiny
+    target = load_target(folder, str(dtype).removeprefix("torch."))
+    cache = target.new_cache()
+    slots = [cache.allocate() for _ in PROMPTS[:3]]
+    for slot, p in zip(slots, PROMPTS, strict=False):
+        target(PackedBatch(torch.tensor(p), (slot,), (len(p),)), cache)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    one = torch.tensor([cache.length(slots[1])])
+    many = torch.tensor([cache.length(s) for s in reversed(slots)])
+    rows = torch.tensor([cache.row(s) for s in reversed(slots)])
+    with torch.no_grad():
+        single = [
+            decode_graph.DecodeStep(target, (1,), attention=op)(
+                torch.tensor([5, 9, 11]), one, cache.data[cache.row(slots[1])]
+            )
+            for op in (True, False)
+        ]
+        batch = [
+            decode_graph.BatchDecodeStep(target, (1,), attention=op)(
+                torch.tensor([5, 9, 11]), rows, many, cache.data
+            )
+            for op in (True, False)
+        ]
+    for (op_logits, op_kv, op_feats), (logits, kv, feats) in (single, batch):
+        torch.testing.assert_close(op_logits, logits, **tol)
+        torch.testing.assert_close(op_feats, feats, **tol)
+        torch.testing.assert_close(op_kv.float(), kv.float(), **tol)
+        assert torch.equal(op_kv[0], kv[0])  # the first layer's come before any attention
+        if dtype == torch.float32:
+            assert torch.equal(op_logits.argmax(-1), logits.argmax(-1))
 
 
 def test_a_graph_that_fails_to_compile_leaves_the_eager_step(tiny, monkeypatch):

@@ -84,3 +84,24 @@ def test_bad_inputs_are_refused():
         torch.ops.adaflash.gemv_bf16(torch.randn(1, 64), w.float())
     with pytest.raises(RuntimeError, match=r"x \(M, K\)"):
         torch.ops.adaflash.gemv_bf16(torch.randn(1, 32).bfloat16(), w)
+
+
+def test_the_attention_op_refuses_what_it_cannot_serve():
+    pool = torch.randn(2, 3, 2, 3, 16, 8)
+    q, kv = torch.randn(1, 1, 9, 8), torch.randn(1, 1, 3, 8)
+    rows, pos = torch.tensor([1]), torch.tensor([4])
+    assert gemv.attention(q, kv, kv, pool, rows, 2, pos).shape == (1, 1, 9, 8)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        gemv.attention(q.bfloat16(), kv, kv, pool, rows, 0, pos)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        gemv.attention(q, kv, kv, pool, torch.tensor([2]), 0, pos)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        gemv.attention(q, kv, kv, pool, rows, 0, torch.tensor([17]))
+    with pytest.raises(RuntimeError, match="one row and one position per request"):
+        gemv.attention(q, kv, kv, pool, torch.tensor([0, 1]), 0, pos)
+    with pytest.raises(RuntimeError, match="divisible"):
+        gemv.attention(torch.randn(1, 1, 8, 8), kv, kv, pool, rows, 0, pos)
+    with pytest.raises(RuntimeError, match="no such layer"):
+        gemv.attention(q, kv, kv, pool, rows, 3, pos)
+    with pytest.raises(RuntimeError, match="disagree"):
+        gemv.attention(q, kv[..., :4], kv[..., :4], pool, rows, 0, pos)
