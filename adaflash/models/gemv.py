@@ -21,8 +21,8 @@ process, interleaved:
 
 It is compiled at first use (20–60 s, g++ and ninja through torch's extension builder; then the
 library is cached under ``cache_dir()/ext`` and loads in ~0.1 s), for the CPU's variant.
-``ADAFLASH_GEMV=0`` switches it off; a failed build logs why and leaves every projection on the
-default path.
+``ADAFLASH_GEMV=0`` switches it off, and the attention op with it; a failed build logs why and
+leaves every projection and the attention on the default path.
 """
 
 from __future__ import annotations
