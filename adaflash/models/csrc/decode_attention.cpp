@@ -27,10 +27,11 @@ namespace {
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
 
-// e^x for x ≤ 0 (scores minus their maximum) in plain arithmetic that the compiler vectorises
-// (std::exp stayed a scalar call per score: ~40% of the op's time): x = n·ln2 + r, |r| ≤ ln2/2,
-// e^r by Cephes' expf polynomial (~1 ulp), times 2^n through the exponent bits; below -87,
-// where e^x < 2^-126, 0
+// e^x for x ≤ 0 (scores minus their maximum) in plain arithmetic, inlined, instead of a call of
+// std::exp per score: x = n·ln2 + r, |r| ≤ ln2/2, e^r by Cephes' expf polynomial (within 8e-8
+// relative over [-80, 0]), times 2^n through the exponent bits; below -87, where e^x < 2^-126,
+// 0. With dot4 below: 51.4 against 58.5 µs a layer at 200 positions (one thread; 34.1 vs 38.8 on
+// two; Zen 4 EPYC, interleaved A/B against std::exp and one dot per position)
 inline float exp_nonpositive(float x) {
   const float xc = x < -87.f ? -87.f : x;
   const float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
