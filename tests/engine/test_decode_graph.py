@@ -324,6 +324,32 @@ def test_a_widened_step_computes_the_bf16_step(tiny):
     torch.testing.assert_close(wide[1].float(), plain[1].float(), atol=0.05, rtol=0.05)
 
 
+def test_without_module_guards_each_step_keeps_to_its_own_graph(tiny_llama):
+    """The compiled steps drop Dynamo's guards on their module and parameters (~1 ms a call).
+    Each step has a code object of its own, so another step — other captured layers, same
+    inputs — is not served by the first one's graph, and other input shapes still recompile
+    instead of running a graph made for others. Dynamo's eager backend: the guards, not
+    inductor, are the point."""
+    _, target, _ = tiny_llama
+    cache = target.new_cache()
+    slot = cache.allocate()
+    target(PackedBatch(torch.tensor(PROMPTS[0]), (slot,), (len(PROMPTS[0]),)), cache)
+    past, pos = cache.data[cache.row(slot)], torch.tensor([cache.length(slot)])
+    guards = {"guard_filter_fn": decode_graph.module_guards_off}
+    plain, captures = (decode_graph.DecodeStep(target, c).eval() for c in ((), (0, 1)))
+    run = {
+        step: torch.compile(decode_graph.own_code(step), backend="eager", options=guards)
+        for step in (plain, captures)
+    }
+    with torch.no_grad():
+        one, two = torch.tensor([5]), torch.tensor([5, 9])
+        assert run[plain](one, pos, past)[2] is None
+        features = run[captures](one, pos, past)[2]  # not the plain step's graph
+        torch.testing.assert_close(features, captures(one, pos, past)[2])
+        logits = run[plain](two, pos, past)[0]  # two tokens: a graph of their own
+        torch.testing.assert_close(logits, plain(two, pos, past)[0])
+
+
 @pytest.mark.skipif(not gemv.available(), reason="the C++ kernels did not build here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_attention_op_computes_the_decomposed_attention(tiny, dtype):

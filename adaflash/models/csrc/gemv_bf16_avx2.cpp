@@ -9,6 +9,10 @@
 // load, a shift, an and, and two FMAs per input row. W is read as one stream, row after row,
 // prefetched ahead (four rows at a time in four streams reached only ~60% of the bandwidth),
 // split over torch's intra-op threads; input rows go four at a time over a row (it stays in L1).
+// Rows are taken eight at a time, one after another, and their eight sums reduced together into
+// one vector (three rounds of horizontal adds) and stored as eight bf16: over a step's 121
+// projections 0.93x the time of one reduction and one scalar store per row for one input row,
+// 0.89x for four (AMD EPYC of family 25 model 1, 2 threads, interleaved, two runs).
 // Built by adaflash/models/gemv.py at first use, where the CPU has AVX2 and FMA but no
 // AVX512-BF16 (that CPU gets gemv_bf16.cpp).
 #include <ATen/Parallel.h>
@@ -16,12 +20,20 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <vector>
-
 namespace {
 
 constexpr int64_t MAX_M = 16;
-constexpr int PREFETCH = 512;  // bytes ahead of the weight stream (256–1024 measured alike)
+constexpr int PREFETCH = 512;  // bytes ahead of the weight stream (0–2048 measured alike)
+
+// eight vectors → one vector of their eight horizontal sums
+inline __m256 sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -30,62 +42,95 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// one weight row n against input rows [m0, m0 + M) (split: per 16-chunk of K, 8 even then 8
-// odd fp32 elements), 32 weights a step into A accumulators per input row, prefetching ahead of
-// the stream (one row after another is one sequential read: W's rows are contiguous); then one
-// more 16-chunk where K % 32 ≥ 16 and the last K % 16 elements in scalar code
+// eight fp32 → eight bf16, rounded to nearest even, NaN kept NaN: as at::BFloat16(float)
+inline __m128i to_bf16(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), odd);
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+inline float bf16_bits(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
+// one weight row wr (K) against M input rows (split: per 16-chunk of K, 8 even then 8 odd fp32
+// elements, rows `full` apart), 32 weights a step into A accumulators per input row, prefetching
+// ahead of the stream, then one more 16-chunk where K % 32 ≥ 16: per input row, out[m] is a
+// vector whose horizontal sum is the dot product over K's full 16-chunks
 template <int M, int A>
-void row(const float* xs, const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y,
-         int64_t K, int64_t N, int64_t n, int64_t m0) {
-  const int64_t full = K - K % 16, pairs = K - K % 32;
-  const at::BFloat16* wr = w + n * K;
+inline void row(const float* xs, int64_t full, const uint16_t* wr, int64_t K, __m256* out) {
+  const int64_t pairs = K - K % 32;
   const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
   __m256 acc[M][A];
   for (int m = 0; m < M; ++m)
     for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
   for (int64_t k = 0; k < pairs; k += 32) {
     _mm_prefetch((const char*)(wr + k) + PREFETCH, _MM_HINT_T0);
-    __m256i v0 = _mm256_loadu_si256((const __m256i*)(wr + k));
-    __m256i v1 = _mm256_loadu_si256((const __m256i*)(wr + k + 16));
-    __m256 p[4] = {_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)),
-                   _mm256_castsi256_ps(_mm256_and_si256(v0, high)),
-                   _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)),
-                   _mm256_castsi256_ps(_mm256_and_si256(v1, high))};
+    const __m256i v0 = _mm256_loadu_si256((const __m256i*)(wr + k));
+    const __m256i v1 = _mm256_loadu_si256((const __m256i*)(wr + k + 16));
+    const __m256 p[4] = {_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)),
+                         _mm256_castsi256_ps(_mm256_and_si256(v0, high)),
+                         _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)),
+                         _mm256_castsi256_ps(_mm256_and_si256(v1, high))};
     for (int m = 0; m < M; ++m) {
-      const float* xm = xs + (m0 + m) * full + k;
+      const float* xm = xs + m * full + k;
       for (int j = 0; j < 4; ++j)
         acc[m][j % A] = _mm256_fmadd_ps(p[j], _mm256_loadu_ps(xm + 8 * j), acc[m][j % A]);
     }
   }
   if (pairs < full) {
-    __m256i v = _mm256_loadu_si256((const __m256i*)(wr + pairs));
-    __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(wr + pairs));
+    const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, high));
     for (int m = 0; m < M; ++m) {
-      const float* xm = xs + (m0 + m) * full + pairs;
+      const float* xm = xs + m * full + pairs;
       acc[m][0] = _mm256_fmadd_ps(e, _mm256_loadu_ps(xm), acc[m][0]);
       acc[m][A - 1] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xm + 8), acc[m][A - 1]);
     }
   }
   for (int m = 0; m < M; ++m) {
-    __m256 s = acc[m][0];
-    for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[m][a]);
-    float total = hsum(s);
-    for (int64_t k = full; k < K; ++k)
-      total += static_cast<float>(x[(m0 + m) * K + k]) * static_cast<float>(wr[k]);
-    y[(m0 + m) * N + n] = at::BFloat16(total);
+    out[m] = acc[m][0];
+    for (int a = 1; a < A; ++a) out[m] = _mm256_add_ps(out[m], acc[m][a]);
   }
 }
 
-// every input row against weight row n: four at a time (the row stays in L1 between them)
-void rows(const float* xs, const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y,
+// weight rows [n, n + R) (R = 8, or a last 1) against input rows [m0, m0 + M): the rows read one
+// after another; eight rows' sums reduced together and stored as eight bf16, the last K % 16
+// elements added in scalar code
+template <int M, int A, int R>
+void block(const float* xs, int64_t full, const at::BFloat16* x, const uint16_t* w, uint16_t* y,
+           int64_t K, int64_t N, int64_t n, int64_t m0) {
+  __m256 part[M][R];
+  for (int r = 0; r < R; ++r) {
+    __m256 out[M];
+    row<M, A>(xs + m0 * full, full, w + (n + r) * K, K, out);
+    for (int m = 0; m < M; ++m) part[m][r] = out[m];
+  }
+  for (int m = 0; m < M; ++m) {
+    alignas(32) float t[8];
+    if constexpr (R == 8) _mm256_store_ps(t, sum8(part[m]));
+    else t[0] = hsum(part[m][0]);
+    for (int r = 0; r < R; ++r)
+      for (int64_t k = full; k < K; ++k)
+        t[r] += static_cast<float>(x[(m0 + m) * K + k]) * bf16_bits(w[(n + r) * K + k]);
+    if constexpr (R == 8)
+      _mm_storeu_si128((__m128i*)(y + (m0 + m) * N + n), to_bf16(_mm256_load_ps(t)));
+    else y[(m0 + m) * N + n] = at::BFloat16(t[0]).x;
+  }
+}
+
+// weight rows [n, n + R) against every input row, four at a time (the rows stay in L1/L2)
+template <int R>
+void rows(const float* xs, int64_t full, const at::BFloat16* x, const uint16_t* w, uint16_t* y,
           int64_t M, int64_t K, int64_t N, int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) row<4, 2>(xs, x, w, y, K, N, n, m);
+  for (; m + 4 <= M; m += 4) block<4, 2, R>(xs, full, x, w, y, K, N, n, m);
   switch (M - m) {
-    case 3: row<3, 2>(xs, x, w, y, K, N, n, m); break;
-    case 2: row<2, 4>(xs, x, w, y, K, N, n, m); break;
-    case 1: row<1, 4>(xs, x, w, y, K, N, n, m); break;
+    case 3: block<3, 2, R>(xs, full, x, w, y, K, N, n, m); break;
+    case 2: block<2, 4, R>(xs, full, x, w, y, K, N, n, m); break;
+    case 1: block<1, 4, R>(xs, full, x, w, y, K, N, n, m); break;
     default: break;
   }
 }
@@ -100,9 +145,8 @@ at::Tensor gemv_bf16(const at::Tensor& x_in, const at::Tensor& w_in) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), full = K - K % 16;
   at::Tensor y = at::empty({M, N}, x.options());
   const at::BFloat16* xp = x.const_data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = w.const_data_ptr<at::BFloat16>();
-  at::BFloat16* yp = y.mutable_data_ptr<at::BFloat16>();
-  // x's full 16-chunks, split into even and odd elements in fp32: (M, full)
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.const_data_ptr<at::BFloat16>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr<at::BFloat16>());
   std::vector<float> split(M * full);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < full; k += 16)
@@ -111,12 +155,15 @@ at::Tensor gemv_bf16(const at::Tensor& x_in, const at::Tensor& w_in) {
         split[m * full + k + 8 + j] = static_cast<float>(xp[m * K + k + 2 * j + 1]);
       }
   const float* xs = split.data();
-  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
-    for (int64_t n = b; n < e; ++n) rows(xs, xp, wp, yp, M, K, N, n);
+  // threads take whole blocks of eight weight rows (64 rows at least), the last block may be short
+  at::parallel_for(0, (N + 7) / 8, 8, [&](int64_t begin, int64_t end) {
+    const int64_t last = std::min(N, end * 8);
+    int64_t n = begin * 8;
+    for (; n + 8 <= last; n += 8) rows<8>(xs, full, xp, wp, yp, M, K, N, n);
+    for (; n < last; ++n) rows<1>(xs, full, xp, wp, yp, M, K, N, n);
   });
   return y;
 }
-
 }  // namespace
 
 TORCH_LIBRARY(adaflash, m) { m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor"); }
