@@ -68,7 +68,7 @@ def pack(
     memory-bound shapes (the LM head: ×2)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    gemv_rows = gemv_kernel.max_rows() if bias is None else 0  # reads the weight as it is
+    gemv_rows = gemv_kernel.eager_rows() if bias is None else 0  # reads the weight as it is
     onednn = None
     use_onednn = os.environ.get("ADAFLASH_PACKED_WEIGHTS", "1") != "0"
     if use_onednn and torch.backends.mkldnn.is_available():
