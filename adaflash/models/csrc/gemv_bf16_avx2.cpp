@@ -12,7 +12,9 @@
 // Rows are taken eight at a time, one after another, and their eight sums reduced together into
 // one vector (three rounds of horizontal adds) and stored as eight bf16: over a step's 121
 // projections 0.93x the time of one reduction and one scalar store per row for one input row,
-// 0.89x for four (AMD EPYC of family 25 model 1, 2 threads, interleaved, two runs).
+// 0.89x for four (AMD EPYC of family 25 model 1, 2 threads, interleaved, two runs). Eager
+// projections of up to 128 rows (prompt chunks) come here too: each block of eight weight rows
+// is read from memory once for all of them (adaflash/models/gemv.py has the measurements).
 // Built by adaflash/models/gemv.py at first use, where the CPU has AVX2 and FMA but no
 // AVX512-BF16 (that CPU gets gemv_bf16.cpp).
 #include <ATen/Parallel.h>
@@ -22,6 +24,7 @@
 
 #include <algorithm>
 #include <vector>
+
 namespace {
 
 constexpr int64_t MAX_M = 128;
@@ -32,7 +35,8 @@ inline __m256 sum8(const __m256* a) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
   const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 inline float hsum(__m256 v) {
@@ -53,7 +57,9 @@ inline __m128i to_bf16(__m256 v) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-inline float bf16_bits(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+inline float bf16_bits(uint16_t x) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16);
+}
 
 // one weight row wr (K) against M input rows (split: per 16-chunk of K, 8 even then 8 odd fp32
 // elements, rows `full` apart), 32 weights a step into A accumulators per input row, prefetching
@@ -147,6 +153,7 @@ at::Tensor gemv_bf16(const at::Tensor& x_in, const at::Tensor& w_in) {
   const at::BFloat16* xp = x.const_data_ptr<at::BFloat16>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.const_data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr<at::BFloat16>());
+  // x's full 16-chunks, split into even and odd elements in fp32: (M, full)
   std::vector<float> split(M * full);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < full; k += 16)
