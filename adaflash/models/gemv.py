@@ -89,24 +89,29 @@ def variant() -> Variant | None:
     return AVX2 if {"avx2", "fma"} <= flags else None
 
 
-def available() -> bool:
-    """Whether a kernel serves: wanted here, built and loaded (the first call builds it)."""
+def serving() -> Variant | None:
+    """The kernel that serves: wanted here, built and loaded (the first call builds it)."""
     chosen = variant()
-    return chosen is not None and _loaded(chosen)
+    return chosen if chosen is not None and _loaded(chosen) else None
+
+
+def available() -> bool:
+    """Whether a kernel serves."""
+    return serving() is not None
 
 
 def max_rows() -> int:
     """Compiled steps' inputs of up to this many rows go through the kernel (0 where none
     serves)."""
-    chosen = variant()
-    return chosen.max_rows if chosen is not None and _loaded(chosen) else 0
+    chosen = serving()
+    return chosen.max_rows if chosen is not None else 0
 
 
 def eager_rows() -> int:
     """Eager projections' inputs of up to this many rows go through the kernel (0 where none
     serves)."""
-    chosen = variant()
-    return chosen.eager_rows if chosen is not None and _loaded(chosen) else 0
+    chosen = serving()
+    return chosen.eager_rows if chosen is not None else 0
 
 
 @functools.cache
