@@ -64,7 +64,7 @@ class Variant:
 AVX512_BF16 = Variant(
     "avx512_bf16",
     CSRC / "gemv_bf16.cpp",
-    ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"),
+    ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp"),
     max_rows=1,
     eager_rows=1,
     limit=4,

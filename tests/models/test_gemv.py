@@ -105,3 +105,48 @@ def test_the_attention_op_refuses_what_it_cannot_serve():
         gemv.attention(q, kv, kv, pool, rows, 3, pos)
     with pytest.raises(RuntimeError, match="disagree"):
         gemv.attention(q, kv[..., :4], kv[..., :4], pool, rows, 0, pos)
+
+
+def attention_reference(q, k, v, pool, rows, layer, pos):  # type: ignore[no-untyped-def]
+    """Each new token over its request's past (pool positions < pos) and new tokens up to
+    itself, in fp32: softmax(q·Kᵀ/√d)·V, query heads sharing kv heads in groups."""
+    b_n, t_n, heads, d = q.shape
+    group = heads // k.shape[2]
+    out = torch.empty(q.shape)
+    for b in range(b_n):
+        past = pool[rows[b], layer, :, :, : pos[b]].float()  # (2, kv_heads, past, d)
+        for t in range(t_n):
+            keys = torch.cat([past[0], k[b, : t + 1].float().transpose(0, 1)], dim=1)
+            values = torch.cat([past[1], v[b, : t + 1].float().transpose(0, 1)], dim=1)
+            for h in range(heads):
+                s = keys[h // group] @ q[b, t, h].float() / d**0.5  # (positions,)
+                out[b, t, h] = torch.softmax(s, dim=0) @ values[h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d"),
+    # 3 / 2 / 1 query heads a kv head (SmolLM2, Qwen3, MHA), eight in chunks of 3, 3, 2; d with
+    # a last 8-chunk beyond the 32-dim blocks (24), and d no multiple of 8 (the scalar path)
+    [(9, 3, 64), (4, 2, 64), (2, 2, 32), (8, 1, 24), (6, 2, 12)],
+)
+def test_the_attention_op_is_softmax_attention_over_past_and_new_tokens(heads, kv_heads, d, dtype):
+    g = torch.Generator().manual_seed(heads * d + kv_heads)
+    b_n, t_n, layers, cap = 3, 5, 2, 300
+    pool = torch.randn(4, layers, 2, kv_heads, cap, d, generator=g).to(dtype)
+    q = torch.randn(b_n, t_n, heads, d, generator=g).to(dtype)
+    k = torch.randn(b_n, t_n, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(b_n, t_n, kv_heads, d, generator=g).to(dtype)
+    rows, pos = torch.tensor([2, 0, 3]), torch.tensor([0, 7, 295])  # no past, a few, many
+    got = gemv.attention(q, k, v, pool, rows, 1, pos)
+    assert got.dtype == dtype and got.shape == q.shape
+    want = attention_reference(q, k, v, pool, rows, 1, pos)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 8e-3, "rtol": 8e-3}
+    torch.testing.assert_close(got.float(), want, **tol)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same on one thread as on several
+    try:
+        assert torch.equal(gemv.attention(q, k, v, pool, rows, 1, pos), got)
+    finally:
+        torch.set_num_threads(threads)
