@@ -31,8 +31,11 @@
 
 namespace {
 
-// work (positions × heads × d) a thread takes at least, where there is more than one thread
-constexpr int64_t PARALLEL_WORK = 1 << 18;
+// work (positions × heads × d) a thread takes at least, where there is more than one thread:
+// below ~2M two threads were slower than one (waking the second cost ~20–40 µs a call: batch 1,
+// 1 / 4 / 16 new tokens at 170 past positions 61 / 220 / 737 µs on one thread, 117 / 409 / 743
+// on two; 8 requests at 400 positions 969 vs 693; AVX2 AMD EPYC, quiet)
+constexpr int64_t PARALLEL_WORK = 1 << 21;
 
 // fp32 of a float or of a bf16's bits (the top half of a float's): the loops below read bf16 as
 // uint16_t, which the compiler vectorises (through at::BFloat16 they ran 5x slower than fp32)
