@@ -34,12 +34,19 @@ def cpu_flags() -> frozenset[str] | None:
 
 
 def cpu_info() -> dict[str, object]:
-    """{"model": …, "flags": […]} (flags: the ones of interest only), for result files."""
+    """{"model": …, "family": …, "model_number": …, "flags": […]} (flags: the ones of interest
+    only), for result files: a VM's model name is often just "AMD EPYC", and the family and model
+    numbers tell its generation (AMD family 23 Zen 1/2, 25 Zen 3/4, 26 Zen 5)."""
     flags = cpu_flags() or frozenset()
-    return {
-        "model": (cpuinfo() or {}).get("model name") or platform.processor(),
+    info = cpuinfo() or {}
+    out: dict[str, object] = {
+        "model": info.get("model name") or platform.processor(),
         "flags": [f for f in FLAGS_OF_INTEREST if f in flags],
     }
+    for key, name in (("cpu family", "family"), ("model", "model_number")):
+        if info.get(key, "").isdigit():
+            out[name] = int(info[key])
+    return out
 
 
 def machine() -> dict[str, object]:
