@@ -136,6 +136,25 @@ ENGINES = (
 )
 
 
+def paired_ratios(rows: list[dict], batches: list[int], ours: str = "adaflash-ar") -> list[str]:
+    """Lines of ``ours`` ÷ each llama.cpp engine, round by round (the same round's prompts, run
+    back to back, so a slow spell of the host falls on both), and their median."""
+    out = []
+    for b in batches:
+        mine = next((r for r in rows if r["engine"] == ours and r["batch"] == b), None)
+        if mine is None:
+            continue
+        for peer in (r for r in rows if r["engine"].startswith("llamacpp") and r["batch"] == b):
+            pairs = zip(mine["tok_s_rounds"], peer["tok_s_rounds"], strict=True)
+            ratios = [a / p for a, p in pairs]
+            shown = ", ".join(f"{x:.2f}" for x in ratios)
+            out.append(
+                f"\nbatch {b}: {ours} ÷ {peer['engine']} per round {shown} "
+                f"(median {statistics.median(ratios):.2f}×)"
+            )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -219,6 +238,7 @@ def main() -> None:
                 "tok_s": round(statistics.median(tps), 2),
                 "tok_s_min": round(min(tps), 2),
                 "tok_s_max": round(max(tps), 2),
+                "tok_s_rounds": [round(t, 2) for t in tps],  # in round order: pair engines by round
                 "ms_per_step": round(statistics.median(v[1] for v in vals), 2),
                 "threads": args.threads,
             }
@@ -256,6 +276,7 @@ def main() -> None:
             r = next(x for x in rows if x["engine"] == name and x["batch"] == b)
             cellz.append(f"{r['tok_s']:.1f} ({r['tok_s_min']:.0f}–{r['tok_s_max']:.0f})")
         lines.append(f"| {name} | " + " | ".join(cellz) + " |")
+    lines += paired_ratios(rows, args.batches)
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
