@@ -96,8 +96,9 @@ inline void axpy(float* o, float p, const S* v, int64_t d) {
 #if defined(__AVX2__) && defined(__FMA__)
 // The same attention, vectorised by hand for AVX2 + FMA where d is a multiple of 8: the query
 // heads that share a kv head (up to three at a time) go together, so each key and value row is
-// read and widened once for all of them; scores four positions at a time (twelve sums in
-// registers, reduced together), exponentials eight at a time, and o = Σ p·V 32 dims at a time.
+// read and widened once for all of them; scores two or four positions at a time (their sums
+// reduced together), exponentials eight at a time, and o = Σ p·V 16 or 32 dims at a time: at
+// most 13 of AVX2's 16 vector registers, so nothing spills.
 
 // eight floats of a float or bf16 row
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
