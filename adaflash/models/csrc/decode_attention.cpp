@@ -134,103 +134,93 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(_mm256_cmp_ps(x, low, _CMP_LT_OQ), y);  // below -87: 0
 }
 
-// P vectors → their P horizontal sums (P = 2 or 4), stored at s
+// P vectors → their P horizontal sums (P = 1, 2 or 4), stored at s
 template <int P>
 inline void store_sums(const __m256* a, float* s) {
   if constexpr (P == 4) {
     _mm_storeu_ps(s, sum4(a[0], a[1], a[2], a[3]));
-  } else {
+  } else if constexpr (P == 2) {
     const __m128 h = sum4(a[0], a[1], a[0], a[1]);  // [Σa0, Σa1, Σa0, Σa1]
     _mm_storel_pi(reinterpret_cast<__m64*>(s), h);
+  } else {
+    s[0] = _mm_cvtss_f32(sum4(a[0], a[0], a[0], a[0]));
   }
 }
 
-// s[g·ld + j] = q_g · key_j for the G query heads (q: G rows of d, fp32) and n keys a stride
-// apart, P keys at a time: G·P sums, P keys and a query in registers (at most 13 of the 16)
+// s[g·ld + r] = q_g · key_r for the G query heads (q: G rows of d, fp32) and P keys from k0, a
+// stride apart: G·P sums, P keys and a query in registers (at most 13 of the 16)
+template <int G, int P, typename R>
+inline void score_block(const float* q, const R* k0, int64_t stride, int64_t d, float* s,
+                        int64_t ld) {
+  __m256 acc[G][P];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int r = 0; r < P; ++r) acc[g][r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 kv[P];
+#pragma GCC unroll 4
+    for (int r = 0; r < P; ++r) kv[r] = load8(k0 + r * stride + i);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m256 qv = _mm256_loadu_ps(q + g * d + i);
+#pragma GCC unroll 4
+      for (int r = 0; r < P; ++r) acc[g][r] = _mm256_fmadd_ps(qv, kv[r], acc[g][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) store_sums<P>(acc[g], s + g * ld);
+}
+
+// s[g·ld + j] = q_g · key_j for n keys a stride apart: P at a time, then one by one
 template <int G, typename R>
 void scores(const float* q, const R* keys, int64_t stride, int64_t n, int64_t d, float* s,
             int64_t ld) {
   constexpr int P = G == 3 ? 2 : 4;
   int64_t j = 0;
-  for (; j + P <= n; j += P) {
-    __m256 acc[G][P];
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-      for (int r = 0; r < P; ++r) acc[g][r] = _mm256_setzero_ps();
-    const R* k0 = keys + j * stride;
-    for (int64_t i = 0; i < d; i += 8) {
-      __m256 kv[P];
-#pragma GCC unroll 4
-      for (int r = 0; r < P; ++r) kv[r] = load8(k0 + r * stride + i);
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) {
-        const __m256 qv = _mm256_loadu_ps(q + g * d + i);
-#pragma GCC unroll 4
-        for (int r = 0; r < P; ++r) acc[g][r] = _mm256_fmadd_ps(qv, kv[r], acc[g][r]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) store_sums<P>(acc[g], s + g * ld + j);
-  }
-  for (; j < n; ++j) {
-    __m256 acc[G];
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-      const __m256 kv = load8(keys + j * stride + i);
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g)
-        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, acc[g]);
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) s[g * ld + j] = _mm_cvtss_f32(sum4(acc[g], acc[g], acc[g], acc[g]));
-  }
+  for (; j + P <= n; j += P) score_block<G, P>(q, keys + j * stride, stride, d, s + j, ld);
+  for (; j < n; ++j) score_block<G, 1>(q, keys + j * stride, stride, d, s + j, ld);
 }
 
-// o[g·d + i] += Σ_j p[g·ld + j]·value_j[i] for n values a stride apart, C·8 dims at a time (G·C
-// sums, C values and a weight in registers), over blocks of 128 positions (they stay in L1)
+// o[g·d + i0 + i] += Σ_{jb ≤ j < je} p[g·ld + j]·value_j[i0 + i] for i < 8·C: G·C sums, C values
+// and a weight in registers
+template <int G, int C, typename R>
+inline void weigh_block(const float* p, int64_t ld, const R* values, int64_t stride, int64_t jb,
+                        int64_t je, int64_t i0, int64_t d, float* o) {
+  __m256 acc[G][C];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm256_loadu_ps(o + g * d + i0 + 8 * c);
+  for (int64_t j = jb; j < je; ++j) {
+    const R* v = values + j * stride + i0;
+    __m256 vv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) vv[c] = load8(v + 8 * c);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m256 pj = _mm256_broadcast_ss(p + g * ld + j);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(pj, vv[c], acc[g][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + g * d + i0 + 8 * c, acc[g][c]);
+}
+
+// o[g·d + i] += Σ_j p[g·ld + j]·value_j[i] for n values a stride apart, C·8 dims at a time and
+// then 8 at a time, over blocks of 128 positions (they stay in L1)
 template <int G, typename R>
 void weigh(const float* p, int64_t ld, const R* values, int64_t stride, int64_t n, int64_t d,
            float* o) {
   constexpr int C = G == 3 ? 2 : 4;
   for (int64_t jb = 0; jb < n; jb += 128) {
     const int64_t je = std::min<int64_t>(n, jb + 128);
-    for (int64_t i0 = 0; i0 < d; i0 += 8 * C) {
-      const int c_n = static_cast<int>(std::min<int64_t>(C, (d - i0) / 8));
-      if (c_n == C) {
-        __m256 acc[G][C];
-#pragma GCC unroll 4
-        for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-          for (int c = 0; c < C; ++c) acc[g][c] = _mm256_loadu_ps(o + g * d + i0 + 8 * c);
-        for (int64_t j = jb; j < je; ++j) {
-          const R* v = values + j * stride + i0;
-          __m256 vv[C];
-#pragma GCC unroll 4
-          for (int c = 0; c < C; ++c) vv[c] = load8(v + 8 * c);
-#pragma GCC unroll 4
-          for (int g = 0; g < G; ++g) {
-            const __m256 pj = _mm256_broadcast_ss(p + g * ld + j);
-#pragma GCC unroll 4
-            for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(pj, vv[c], acc[g][c]);
-          }
-        }
-#pragma GCC unroll 4
-        for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-          for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + g * d + i0 + 8 * c, acc[g][c]);
-      } else {  // d's last 8-chunks
-        for (int64_t i = i0; i < d; i += 8)
-          for (int g = 0; g < G; ++g) {
-            __m256 acc = _mm256_loadu_ps(o + g * d + i);
-            for (int64_t j = jb; j < je; ++j)
-              acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * ld + j),
-                                    load8(values + j * stride + i), acc);
-            _mm256_storeu_ps(o + g * d + i, acc);
-          }
-      }
-    }
+    int64_t i0 = 0;
+    for (; i0 + 8 * C <= d; i0 += 8 * C) weigh_block<G, C>(p, ld, values, stride, jb, je, i0, d, o);
+    for (; i0 < d; i0 += 8) weigh_block<G, 1>(p, ld, values, stride, jb, je, i0, d, o);
   }
 }
 
