@@ -54,24 +54,36 @@ ATTENTION = CSRC / "decode_attention.cpp"  # built into the same library (``atte
 @dataclass(frozen=True)
 class Variant:
     name: str
-    source: Path
+    sources: tuple[Path, ...]
     cflags: tuple[str, ...]
     max_rows: int  # compiled steps' inputs of up to this many rows go through it (measured)
     eager_rows: int  # eager projections' (prompt chunks', ``layers.linear``) likewise
-    limit: int  # the most rows the op accepts
+    limit: int  # the most rows the GEMV op accepts
+    # the attention op's work (positions × heads × d) per thread, at least (csrc/decode_attention)
+    attention_split: int = 1 << 21
 
 
+AVX512_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp")
 AVX512_BF16 = Variant(
     "avx512_bf16",
-    CSRC / "gemv_bf16.cpp",
-    ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp"),
+    (CSRC / "gemv_bf16.cpp",),
+    AVX512_FLAGS,
     max_rows=1,
     eager_rows=1,
     limit=4,
 )
+AMX = Variant(  # the AVX512-BF16 kernel for one row, AMX tiles for more (``linear_amx.cpp``)
+    "amx",
+    (CSRC / "gemv_bf16.cpp", CSRC / "linear_amx.cpp"),
+    (*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16"),
+    max_rows=16,
+    eager_rows=32,
+    limit=4,  # the GEMV op's; AMX takes any number of rows
+    attention_split=1 << 16,  # two threads won from the smallest call there
+)
 AVX2 = Variant(
     "avx2",
-    CSRC / "gemv_bf16_avx2.cpp",
+    (CSRC / "gemv_bf16_avx2.cpp",),
     ("-O3", "-mavx2", "-mfma", "-fopenmp"),
     max_rows=16,
     eager_rows=128,
@@ -84,6 +96,8 @@ def variant() -> Variant | None:
     if os.environ.get("ADAFLASH_GEMV", "1") == "0":
         return None
     flags = cpu_flags() or frozenset()
+    if {"avx512_bf16", "amx_bf16", "amx_tile"} <= flags and os.environ.get("ADAFLASH_AMX") != "0":
+        return AMX
     if "avx512_bf16" in flags:
         return AVX512_BF16
     return AVX2 if {"avx2", "fma"} <= flags else None
@@ -114,6 +128,9 @@ def eager_rows() -> int:
     return chosen.eager_rows if chosen is not None else 0
 
 
+_loaded_variant: Variant | None = None  # set at load: read in traced code (no file reads)
+
+
 @functools.cache
 def _loaded(chosen: Variant) -> bool:
     """Build (once per machine: then the cached library loads in ~0.1 s) and load the kernel;
@@ -134,7 +151,7 @@ def _loaded(chosen: Variant) -> bool:
     try:
         load(
             name=f"adaflash_gemv_bf16_{chosen.name}",
-            sources=[str(chosen.source), str(ATTENTION)],
+            sources=[*map(str, chosen.sources), str(ATTENTION)],
             extra_cflags=list(chosen.cflags),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
@@ -146,6 +163,9 @@ def _loaded(chosen: Variant) -> bool:
         )
         return False
     register_fake()
+    torch.ops.adaflash.set_attention_split(chosen.attention_split)
+    global _loaded_variant
+    _loaded_variant = chosen
     return True
 
 
@@ -156,6 +176,12 @@ def register_fake() -> None:
     @torch.library.register_fake("adaflash::gemv_bf16")
     def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]))
+
+    if variant() is AMX:
+
+        @torch.library.register_fake("adaflash::linear_amx")
+        def _amx(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("adaflash::decode_attention")
     def _attention(
@@ -185,7 +211,22 @@ def attention(
     return torch.ops.adaflash.decode_attention(q, k, v, pool, rows, layer, pos)
 
 
+def amx_fits(weight: torch.Tensor) -> bool:
+    """Whether AMX tiles take this weight (N, K): N % 64 == 0 and K % 32 == 0."""
+    n, k = weight.shape
+    return n % 64 == 0 and k % 32 == 0
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (..., K) with at most ``max_rows()`` rows in all → (..., N) through the kernel."""
-    y = torch.ops.adaflash.gemv_bf16(x.reshape(-1, x.shape[-1]), weight)  # (M, N)
+    """x (..., K) with at most ``max_rows()`` rows in all (``eager_rows()`` outside compiled
+    steps) → (..., N) through the kernel: AMX tiles where the CPU has them and the weight's
+    shape fits (``amx_fits``), else the GEMV kernel up to its ``limit`` and ``F.linear``
+    beyond."""
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    if _loaded_variant is AMX and amx_fits(weight):
+        y = torch.ops.adaflash.linear_amx(x2, weight)
+    elif _loaded_variant is not None and x2.shape[0] <= _loaded_variant.limit:
+        y = torch.ops.adaflash.gemv_bf16(x2, weight)  # (M, N)
+    else:
+        y = torch.nn.functional.linear(x2, weight)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -25,7 +25,7 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 16, 41, 128])
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (37, 100), (5, 1536), (64, 31), (3, 48)])
 def test_the_kernel_is_the_product_rounded_to_bf16(m, n, k):
-    if m > limit():
+    if m > limit() and gemv.variant() is not gemv.AMX:  # AMX takes any number of rows
         pytest.skip(f"this CPU's kernel takes up to {limit()} rows")
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -84,6 +84,25 @@ def test_bad_inputs_are_refused():
         torch.ops.adaflash.gemv_bf16(torch.randn(1, 64), w.float())
     with pytest.raises(RuntimeError, match=r"x \(M, K\)"):
         torch.ops.adaflash.gemv_bf16(torch.randn(1, 32).bfloat16(), w)
+
+
+@pytest.mark.skipif(gemv.variant() is not gemv.AMX, reason="no AMX on this CPU")
+def test_amx_tiles_take_the_shapes_that_fit_and_refuse_the_rest():
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(128, 96, generator=g) * 0.1).bfloat16()  # N % 64 == 0, K % 32 == 0
+    assert gemv.amx_fits(w) and not gemv.amx_fits(w[:, :80]) and not gemv.amx_fits(w[:100])
+    for m in (1, 16, 17, 33):  # one tile of inputs, then blocks of 16 and a remainder
+        x = torch.randn(m, 96, generator=g).bfloat16()
+        got = torch.ops.adaflash.linear_amx(x, w)
+        assert torch.equal(gemv.gemv(x, w), got)  # what the projections call
+        want = reference(x, w)
+        assert torch.all((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3)
+    with pytest.raises(RuntimeError, match="K % 32 == 0 and N % 64 == 0"):
+        torch.ops.adaflash.linear_amx(torch.randn(2, 80).bfloat16(), w[:, :80].contiguous())
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.adaflash.linear_amx(torch.randn(2, 96), w.float())
+    x = torch.randn(5, 80, generator=g).bfloat16()  # no fit: F.linear serves the call
+    assert torch.equal(gemv.gemv(x, w[:, :80]), F.linear(x, w[:, :80]))
 
 
 def test_the_attention_op_refuses_what_it_cannot_serve():

@@ -23,6 +23,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cmath>
 #include <limits>
@@ -31,11 +32,19 @@
 
 namespace {
 
-// work (positions × heads × d) a thread takes at least, where there is more than one thread:
-// below ~2M two threads were slower than one (waking the second cost ~20–40 µs a call: batch 1,
-// 1 / 4 / 16 new tokens at 170 past positions 61 / 220 / 737 µs on one thread, 117 / 409 / 743
-// on two; 8 requests at 400 positions 969 vs 693; AVX2 AMD EPYC, quiet)
-constexpr int64_t PARALLEL_WORK = 1 << 21;
+// work (positions × heads × d) a thread takes at least, where there is more than one thread;
+// set per CPU class by models/gemv.py (``attention_split``). On an AVX2 AMD EPYC (Zen 1), below
+// ~2M two threads were slower than one (waking the second cost ~20–40 µs a call: batch 1, 1 / 4
+// / 16 new tokens at 170 past positions 61 / 220 / 737 µs on one thread, 117 / 409 / 743 on
+// two; 8 requests at 400 positions 969 vs 693; quiet). On an Intel Xeon with AMX two threads
+// won from the smallest call (1 / 4 / 16 tokens at 128 positions 10.4 / 34.2 / 129.0 µs on one,
+// 9.0 / 20.0 / 70.8 on two).
+std::atomic<int64_t> parallel_work{1 << 21};
+
+void set_attention_split(int64_t work) {
+  TORCH_CHECK(work >= 1, "attention_split: at least 1");
+  parallel_work = work;
+}
 
 // fp32 of a float or of a bf16's bits (the top half of a float's): the loops below read bf16 as
 // uint16_t, which the compiler vectorises (through at::BFloat16 they ran 5x slower than fp32)
@@ -269,7 +278,8 @@ void attend_avx2(const R* qp, const R* kp, const R* vp, const R* pp, S* op, int6
   const int64_t group = H / KVH, chunks = (group + 2) / 3, items = B * T * KVH * chunks;
   int64_t work = 0;  // positions × heads × d over every item
   for (int64_t b = 0; b < B; ++b) work += T * (pos[b] + T) * H * d;
-  const int64_t grain = std::max<int64_t>(1, items * PARALLEL_WORK / std::max<int64_t>(work, 1));
+  const int64_t grain =
+      std::max<int64_t>(1, items * parallel_work.load() / std::max<int64_t>(work, 1));
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
@@ -405,5 +415,9 @@ TORCH_LIBRARY_FRAGMENT(adaflash, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor pool, Tensor rows, int layer, "
       "Tensor pos) -> Tensor");
+  m.def("set_attention_split(int work) -> ()");
 }
 TORCH_LIBRARY_IMPL(adaflash, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(adaflash, CompositeExplicitAutograd, m) {
+  m.impl("set_attention_split", &set_attention_split);
+}
