@@ -1,5 +1,6 @@
-"""bf16 GEMV kernels for decoding on CPUs: AVX512-BF16 (``csrc/gemv_bf16.cpp``) and, where the
-CPU has no native bf16, AVX2 + FMA (``csrc/gemv_bf16_avx2.cpp``).
+"""bf16 GEMV kernels for decoding on CPUs: AVX512-BF16 (``csrc/gemv_bf16.cpp``), with AMX tiles
+where the CPU has AMX-BF16 (``csrc/linear_amx.cpp``), and, where the CPU has no native bf16, AVX2
++ FMA (``csrc/gemv_bf16_avx2.cpp``).
 
 ``torch.ops.adaflash.gemv_bf16(x, w)``: y (M, N) = x (M, K) · w (N, K)ᵀ for a few rows, bf16 in
 and out, fp32 accumulation. The same library holds ``torch.ops.adaflash.decode_attention``
@@ -14,6 +15,17 @@ process, interleaved:
   weight row start to end (one stream per thread) instead of four rows' chunks interleaved: on
   an AMD EPYC of family 25 model 17 (Zen 4) one row over the 121 projections took 13.7 ms
   against 19.6 ms before (2 threads; 19.4 vs 33.8 ms on one), two rows 17.8 vs 25.3 ms.
+- AMX (an Intel Xeon with AMX-BF16, real weights, 2 threads): ``linear_amx`` over the same
+  projections took 11.4 / 10.7 / 11.7 / 11.7 / 12.6 / 17.8 / 24.9 / 40.1 ms for 1 / 2 / 4 / 8 /
+  16 / 32 / 64 / 128 rows against 14.5 / 14.4 / 14.5 / 14.7 / 14.6 / 19.8 / 23.8 / 33.2 ms
+  through oneDNN's prepacked weights and 14.0 / 15.6 / 19.3 ms (1 / 2 / 4 rows) through the
+  AVX512-BF16 GEMV (one thread: 1 / 32 / 48 rows 21.1 / 30.5 / 37.7 ms against oneDNN 24.9 /
+  33.4 / 37.4). So there AMX takes eager projections of up to 32 rows where the weight's shape
+  fits. Inside compiled steps inductor's own AMX template (weights frozen in its blocked layout,
+  epilogues fused) did better: a compiled one-request step of real weights, 100 interleaved
+  calls, took 12.08 ms with the template against 12.99 ms through ``linear_amx`` for one token
+  and 16.57 against 18.40 ms for 16; so there the kernel serves the one-row step only where the
+  route measured at the first compile picks it (``decode_graph.Route``).
 - AVX2 + FMA (an AMD EPYC of family 25 model 1): 1 / 2 / 4 / 8 / 16 rows in 21 / 22 / 27 / 36 /
   75 ms against 27 / 40 / 72 / 140 / 263 ms through bf16 ``F.linear`` and 82 / 120 / 145 / 129 /
   151 ms through fp32 copies of the weights; so up to 16 rows (decode, verification and batched
@@ -76,7 +88,7 @@ AMX = Variant(  # the AVX512-BF16 kernel for one row, AMX tiles for more (``line
     "amx",
     (CSRC / "gemv_bf16.cpp", CSRC / "linear_amx.cpp"),
     (*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16"),
-    max_rows=16,
+    max_rows=1,  # in compiled steps inductor's AMX template won for more rows (below)
     eager_rows=32,
     limit=4,  # the GEMV op's; AMX takes any number of rows
     attention_split=1 << 16,  # two threads won from the smallest call there

@@ -169,3 +169,26 @@ def test_the_attention_op_is_softmax_attention_over_past_and_new_tokens(heads, k
         assert torch.equal(gemv.attention(q, k, v, pool, rows, 1, pos), got)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_attention_op_splits_its_work_over_threads_without_changing_it():
+    chosen = gemv.serving()
+    assert chosen is not None
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn(2, 2, 2, 3, 200, 64, generator=g).bfloat16()
+    q = torch.randn(1, 16, 9, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 16, 3, 64, generator=g).bfloat16() for _ in range(2))
+    rows, pos = torch.tensor([1]), torch.tensor([150])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = []
+        for work in (1, 1 << 30):  # every item its own share, then all on one thread
+            torch.ops.adaflash.set_attention_split(work)
+            outs.append(gemv.attention(q, k, v, pool, rows, 0, pos))
+        assert torch.equal(outs[0], outs[1])
+        with pytest.raises(RuntimeError, match="at least 1"):
+            torch.ops.adaflash.set_attention_split(0)
+    finally:
+        torch.ops.adaflash.set_attention_split(chosen.attention_split)
+        torch.set_num_threads(threads)
