@@ -21,7 +21,9 @@ process, interleaved:
   through oneDNN's prepacked weights and 14.0 / 15.6 / 19.3 ms (1 / 2 / 4 rows) through the
   AVX512-BF16 GEMV (one thread: 1 / 32 / 48 rows 21.1 / 30.5 / 37.7 ms against oneDNN 24.9 /
   33.4 / 37.4). So there AMX takes eager projections of up to 32 rows where the weight's shape
-  fits. Inside compiled steps inductor's own AMX template (weights frozen in its blocked layout,
+  fits: an eager pass of 1 / 16 / 32 tokens after 128 (real weights, 2 threads, two alternated
+  processes each) took 22.1–22.5 / 27.0–28.2 / 35.7–36.5 ms against 23.4–23.8 / 31.5 /
+  39.4–39.9 ms with ``ADAFLASH_AMX=0`` (100 tokens, beyond it: 55.0–57.7 vs 56.4–56.6). Inside compiled steps inductor's own AMX template (weights frozen in its blocked layout,
   epilogues fused) did better: a compiled one-request step of real weights, 100 interleaved
   calls, took 12.08 ms with the template against 12.99 ms through ``linear_amx`` for one token
   and 16.57 against 18.40 ms for 16; so there the kernel serves the one-row step only where the
