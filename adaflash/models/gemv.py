@@ -16,18 +16,19 @@ process, interleaved:
   an AMD EPYC of family 25 model 17 (Zen 4) one row over the 121 projections took 13.7 ms
   against 19.6 ms before (2 threads; 19.4 vs 33.8 ms on one), two rows 17.8 vs 25.3 ms.
 - AMX (an Intel Xeon with AMX-BF16, real weights, 2 threads): ``linear_amx`` over the same
-  projections took 11.4 / 10.7 / 11.7 / 11.7 / 12.6 / 17.8 / 24.9 / 40.1 ms for 1 / 2 / 4 / 8 /
-  16 / 32 / 64 / 128 rows against 14.5 / 14.4 / 14.5 / 14.7 / 14.6 / 19.8 / 23.8 / 33.2 ms
-  through oneDNN's prepacked weights and 14.0 / 15.6 / 19.3 ms (1 / 2 / 4 rows) through the
-  AVX512-BF16 GEMV (one thread: 1 / 32 / 48 rows 21.1 / 30.5 / 37.7 ms against oneDNN 24.9 /
-  33.4 / 37.4). So there AMX takes eager projections of up to 32 rows where the weight's shape
-  fits: an eager pass of 1 / 16 / 32 tokens after 128 (real weights, 2 threads, two alternated
-  processes each) took 22.1–22.5 / 27.0–28.2 / 35.7–36.5 ms against 23.4–23.8 / 31.5 /
-  39.4–39.9 ms with ``ADAFLASH_AMX=0`` (100 tokens, beyond it: 55.0–57.7 vs 56.4–56.6). Inside compiled steps inductor's own AMX template (weights frozen in its blocked layout,
-  epilogues fused) did better: a compiled one-request step of real weights, 100 interleaved
-  calls, took 12.08 ms with the template against 12.99 ms through ``linear_amx`` for one token
-  and 16.57 against 18.40 ms for 16; so there the kernel serves the one-row step only where the
-  route measured at the first compile picks it (``decode_graph.Route``).
+  projections took 11.4 / 10.7 / 11.7 / 11.7 / 12.6 / 17.8 / 24.9 / 40.1 ms for 1 / 2 / 4 / 8 / 16
+  / 32 / 64 / 128 rows against 14.5 / 14.4 / 14.5 / 14.7 / 14.6 / 19.8 / 23.8 / 33.2 ms through
+  oneDNN's prepacked weights and 14.0 / 15.6 / 19.3 ms (1 / 2 / 4 rows) through the AVX512-BF16
+  GEMV (one thread: 1 / 32 / 48 rows 21.1 / 30.5 / 37.7 ms against oneDNN 24.9 / 33.4 / 37.4). So
+  there AMX takes eager projections of up to 32 rows where the weight's shape fits: an eager pass
+  of 1 / 16 / 32 tokens after 128 (real weights, 2 threads, two alternated processes each) took
+  22.1–22.5 / 27.0–28.2 / 35.7–36.5 ms against 23.4–23.8 / 31.5 / 39.4–39.9 ms with
+  ``ADAFLASH_AMX=0`` (100 tokens, beyond it: 55.0–57.7 vs 56.4–56.6). Inside compiled steps
+  inductor's own AMX template (weights frozen in its blocked layout, epilogues fused) did better:
+  a compiled one-request step of real weights, 100 interleaved calls, took 12.08 ms with the
+  template against 12.99 ms through ``linear_amx`` for one token and 16.57 against 18.40 ms for
+  16; so there the kernel serves the one-row step only where the route measured at the first
+  compile picks it (``decode_graph.Route``).
 - AVX2 + FMA (an AMD EPYC of family 25 model 1): 1 / 2 / 4 / 8 / 16 rows in 21 / 22 / 27 / 36 /
   75 ms against 27 / 40 / 72 / 140 / 263 ms through bf16 ``F.linear`` and 82 / 120 / 145 / 129 /
   151 ms through fp32 copies of the weights; so up to 16 rows (decode, verification and batched
