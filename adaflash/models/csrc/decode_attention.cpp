@@ -220,8 +220,9 @@ inline void score_block16(const float* q, const R* k0, int64_t stride, int64_t d
     __m256 half[P];  // each sum's two halves added, then as in AVX2
 #pragma GCC unroll 4
     for (int r = 0; r < P; ++r)
-      half[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[g][r]),
-                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[g][r]), 1)));
+      half[r] = _mm256_add_ps(
+          _mm512_castps512_ps256(acc[g][r]),
+          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[g][r]), 1)));
     store_sums<P>(half, s + g * ld);
   }
 }

@@ -1,16 +1,16 @@
 // y (M, N) = x (M, K) · W (N, K)ᵀ through AMX tiles: bf16 in, fp32 accumulation, bf16 out.
 //
-// A few rows (verification, batched decode) read every weight once, like a decode step, and
-// do 2-16× its arithmetic: AMX does that arithmetic in a fraction of the time the weights take
-// to arrive, so the pass costs about what one row costs. The weight is used as it lies, with
-// no packed copy: the product is computed transposed, yᵀ (N, M) = W (N, K) · xᵀ, so that the
-// tiles that stream are W's rows (A: 16 rows × 32 of K, 64 bytes each, straight from W) and
-// the one that needs AMX's pair-interleaved (VNNI) layout is the small input x (B: 16 pairs of K
-// × M columns, repacked once per call). Four blocks of 16 weight rows go together, so each
-// input tile loaded serves four products; blocks of four are split over torch's threads. A
-// block of 16 rows of W is one contiguous run of memory, so each thread still reads W in order.
-// Needs K % 32 == 0 and N % 64 == 0 (``linear_amx_fits``); built by adaflash/models/gemv.py
-// where the CPU has AMX-BF16.
+// A few rows read every weight once, like a decode step, and do a few times its arithmetic: AMX
+// does that arithmetic in a fraction of the time the weights take to arrive, so up to ~16 rows
+// cost about what one row costs. Serves eager projections of up to 32 rows (inside compiled steps
+// inductor's own AMX template did better: models/gemv.py). The weight is used as it lies, with no
+// packed copy: the product is computed transposed, yᵀ (N, M) = W (N, K) · xᵀ, so that the tiles
+// that stream are W's rows (A: 16 rows × 32 of K, 64 bytes each, straight from W) and the one that
+// needs AMX's pair-interleaved (VNNI) layout is the small input x (B: 16 pairs of K × M columns,
+// repacked once per call). Four blocks of 16 weight rows go together, so each input tile loaded
+// serves four products; blocks of four are split over torch's threads. A block of 16 rows of W is
+// one contiguous run of memory, so each thread still reads W in order. Needs K % 32 == 0 and N %
+// 64 == 0 (``gemv.amx_fits``); built by adaflash/models/gemv.py where the CPU has AMX-BF16.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -18,8 +18,8 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
-#include <cstring>
-#include <mutex>
+#include <algorithm>
+#include <vector>
 
 namespace {
 
