@@ -158,167 +158,145 @@ inline void store_sums(const __m256* a, float* s) {
   }
 }
 
-// s[g·ld + r] = q_g · key_r for the G query heads (q: G rows of d, fp32) and P keys from k0, a
-// stride apart: G·P sums, P keys and a query in registers (at most 13 of the 16)
-template <int G, int P, typename R>
-inline void score_block(const float* q, const R* k0, int64_t stride, int64_t d, float* s,
-                        int64_t ld) {
-  __m256 acc[G][P];
-#pragma GCC unroll 4
-  for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-    for (int r = 0; r < P; ++r) acc[g][r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8) {
-    __m256 kv[P];
-#pragma GCC unroll 4
-    for (int r = 0; r < P; ++r) kv[r] = load8(k0 + r * stride + i);
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-      const __m256 qv = _mm256_loadu_ps(q + g * d + i);
-#pragma GCC unroll 4
-      for (int r = 0; r < P; ++r) acc[g][r] = _mm256_fmadd_ps(qv, kv[r], acc[g][r]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < G; ++g) store_sums<P>(acc[g], s + g * ld);
-}
+// One vector type's operations, so that each block function below is written once: 8 lanes
+// (AVX2) or, where the library is built with AVX-512, 16 (Lanes16). ``fold``: a vector of sums
+// → eight partial sums in a __m256 (``store_sums`` adds those).
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int n = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  template <typename R>
+  static V load(const R* p) { return load8(p); }
+  static V splat(const float* p) { return _mm256_broadcast_ss(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static __m256 fold(V x) { return x; }
+};
 
 #if defined(__AVX512F__)
-// The AVX-512 forms of score_block and weigh_block, where d is a multiple of 16 and the library
-// is built with AVX-512 (the AVX512-BF16 and AMX variants): 16 lanes a vector and 32 registers,
-// so four keys or 64 dims at a time for three heads (17 registers). Sums in another order than
-// the AVX2 forms (within fp32 rounding). Per call, 9 / 3 heads, d 64, bf16, 2 threads (Intel
-// Xeon with AMX, interleaved): 1 / 4 / 16 new tokens at 128 positions 7.3 / 13.7 / 45.3 µs
-// against 7.9 / 15.7 / 54.1 through the AVX2 forms; one token at 400 positions 13.0 vs 15.4.
+// 16 lanes and 32 registers: four keys or 64 dims at a time for three heads (17 registers).
+// Sums in another order than 8 lanes' (within fp32 rounding). Per call, 9 / 3 heads, d 64, bf16,
+// 2 threads (Intel Xeon with AMX, interleaved): 1 / 4 / 16 new tokens at 128 positions 7.3 /
+// 13.7 / 45.3 µs against 7.9 / 15.7 / 54.1 with 8 lanes; one token at 400 positions 13.0 vs 15.4.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-template <int G, int P, typename R>
-inline void score_block16(const float* q, const R* k0, int64_t stride, int64_t d, float* s,
-                          int64_t ld) {
-  __m512 acc[G][P];
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int n = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  template <typename R>
+  static V load(const R* p) { return load16(p); }
+  static V splat(const float* p) { return _mm512_set1_ps(*p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static __m256 fold(V x) {  // the two halves added
+    return _mm256_add_ps(_mm512_castps512_ps256(x),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  }
+};
+#endif
+
+// s[g·ld + r] = q_g · key_r for the G query heads (q: G rows of d, fp32) and P keys from k0, a
+// stride apart: G·P sums, P keys and a query in registers (8 lanes: at most 13 of the 16)
+template <typename L, int G, int P, typename R>
+inline void score_block(const float* q, const R* k0, int64_t stride, int64_t d, float* s,
+                        int64_t ld) {
+  typename L::V acc[G][P];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
-    for (int r = 0; r < P; ++r) acc[g][r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) {
-    __m512 kv[P];
+    for (int r = 0; r < P; ++r) acc[g][r] = L::zero();
+  for (int64_t i = 0; i < d; i += L::n) {
+    typename L::V kv[P];
 #pragma GCC unroll 4
-    for (int r = 0; r < P; ++r) kv[r] = load16(k0 + r * stride + i);
+    for (int r = 0; r < P; ++r) kv[r] = L::load(k0 + r * stride + i);
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
-      const __m512 qv = _mm512_loadu_ps(q + g * d + i);
+      const typename L::V qv = L::load(q + g * d + i);
 #pragma GCC unroll 4
-      for (int r = 0; r < P; ++r) acc[g][r] = _mm512_fmadd_ps(qv, kv[r], acc[g][r]);
+      for (int r = 0; r < P; ++r) acc[g][r] = L::fma(qv, kv[r], acc[g][r]);
     }
   }
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
-    __m256 half[P];  // each sum's two halves added, then as in AVX2
+    __m256 sums[P];
 #pragma GCC unroll 4
-    for (int r = 0; r < P; ++r)
-      half[r] = _mm256_add_ps(
-          _mm512_castps512_ps256(acc[g][r]),
-          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[g][r]), 1)));
-    store_sums<P>(half, s + g * ld);
+    for (int r = 0; r < P; ++r) sums[r] = L::fold(acc[g][r]);
+    store_sums<P>(sums, s + g * ld);
   }
 }
-
-template <int G, int C, typename R>
-inline void weigh_block16(const float* p, int64_t ld, const R* values, int64_t stride, int64_t jb,
-                          int64_t je, int64_t i0, int64_t d, float* o) {
-  __m512 acc[G][C];
-#pragma GCC unroll 4
-  for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(o + g * d + i0 + 16 * c);
-  for (int64_t j = jb; j < je; ++j) {
-    const R* v = values + j * stride + i0;
-    __m512 vv[C];
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-      const __m512 pj = _mm512_set1_ps(p[g * ld + j]);
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pj, vv[c], acc[g][c]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + g * d + i0 + 16 * c, acc[g][c]);
-}
-#endif
 
 // s[g·ld + j] = q_g · key_j for n keys a stride apart: P at a time, then one by one
+template <typename L, int G, int P, typename R>
+void score_run(const float* q, const R* keys, int64_t stride, int64_t n, int64_t d, float* s,
+               int64_t ld) {
+  int64_t j = 0;
+  for (; j + P <= n; j += P) score_block<L, G, P>(q, keys + j * stride, stride, d, s + j, ld);
+  for (; j < n; ++j) score_block<L, G, 1>(q, keys + j * stride, stride, d, s + j, ld);
+}
+
 template <int G, typename R>
 void scores(const float* q, const R* keys, int64_t stride, int64_t n, int64_t d, float* s,
             int64_t ld) {
 #if defined(__AVX512F__)
-  if (d % 16 == 0) {
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) score_block16<G, 4>(q, keys + j * stride, stride, d, s + j, ld);
-    for (; j < n; ++j) score_block16<G, 1>(q, keys + j * stride, stride, d, s + j, ld);
-    return;
-  }
+  if (d % 16 == 0) return score_run<Lanes16, G, 4>(q, keys, stride, n, d, s, ld);
 #endif
-  constexpr int P = G == 3 ? 2 : 4;
-  int64_t j = 0;
-  for (; j + P <= n; j += P) score_block<G, P>(q, keys + j * stride, stride, d, s + j, ld);
-  for (; j < n; ++j) score_block<G, 1>(q, keys + j * stride, stride, d, s + j, ld);
+  score_run<Lanes8, G, G == 3 ? 2 : 4>(q, keys, stride, n, d, s, ld);
 }
 
-// o[g·d + i0 + i] += Σ_{jb ≤ j < je} p[g·ld + j]·value_j[i0 + i] for i < 8·C: G·C sums, C values
-// and a weight in registers
-template <int G, int C, typename R>
+// o[g·d + i0 + i] += Σ_{jb ≤ j < je} p[g·ld + j]·value_j[i0 + i] for i < lanes·C: G·C sums, C
+// values and a weight in registers
+template <typename L, int G, int C, typename R>
 inline void weigh_block(const float* p, int64_t ld, const R* values, int64_t stride, int64_t jb,
                         int64_t je, int64_t i0, int64_t d, float* o) {
-  __m256 acc[G][C];
+  typename L::V acc[G][C];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm256_loadu_ps(o + g * d + i0 + 8 * c);
+    for (int c = 0; c < C; ++c) acc[g][c] = L::load(o + g * d + i0 + L::n * c);
   for (int64_t j = jb; j < je; ++j) {
     const R* v = values + j * stride + i0;
-    __m256 vv[C];
+    typename L::V vv[C];
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) vv[c] = load8(v + 8 * c);
+    for (int c = 0; c < C; ++c) vv[c] = L::load(v + L::n * c);
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
-      const __m256 pj = _mm256_broadcast_ss(p + g * ld + j);
+      const typename L::V pj = L::splat(p + g * ld + j);
 #pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(pj, vv[c], acc[g][c]);
+      for (int c = 0; c < C; ++c) acc[g][c] = L::fma(pj, vv[c], acc[g][c]);
     }
   }
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + g * d + i0 + 8 * c, acc[g][c]);
+    for (int c = 0; c < C; ++c) L::store(o + g * d + i0 + L::n * c, acc[g][c]);
 }
 
-// o[g·d + i] += Σ_j p[g·ld + j]·value_j[i] for n values a stride apart, C·8 dims at a time and
-// then 8 at a time, over blocks of 128 positions (they stay in L1)
-template <int G, typename R>
-void weigh(const float* p, int64_t ld, const R* values, int64_t stride, int64_t n, int64_t d,
-           float* o) {
-  constexpr int C = G == 3 ? 2 : 4;
+// o[g·d + i] += Σ_j p[g·ld + j]·value_j[i] for n values a stride apart, C vectors of dims at a
+// time and then one, over blocks of 128 positions (they stay in L1)
+template <typename L, int G, int C, typename R>
+void weigh_run(const float* p, int64_t ld, const R* values, int64_t stride, int64_t n, int64_t d,
+               float* o) {
   for (int64_t jb = 0; jb < n; jb += 128) {
     const int64_t je = std::min<int64_t>(n, jb + 128);
     int64_t i0 = 0;
-#if defined(__AVX512F__)
-    if (d % 16 == 0) {
-      for (; i0 + 64 <= d; i0 += 64) weigh_block16<G, 4>(p, ld, values, stride, jb, je, i0, d, o);
-      for (; i0 < d; i0 += 16) weigh_block16<G, 1>(p, ld, values, stride, jb, je, i0, d, o);
-      continue;
-    }
-#endif
-    for (; i0 + 8 * C <= d; i0 += 8 * C) weigh_block<G, C>(p, ld, values, stride, jb, je, i0, d, o);
-    for (; i0 < d; i0 += 8) weigh_block<G, 1>(p, ld, values, stride, jb, je, i0, d, o);
+    for (; i0 + L::n * C <= d; i0 += L::n * C)
+      weigh_block<L, G, C>(p, ld, values, stride, jb, je, i0, d, o);
+    for (; i0 < d; i0 += L::n) weigh_block<L, G, 1>(p, ld, values, stride, jb, je, i0, d, o);
   }
+}
+
+template <int G, typename R>
+void weigh(const float* p, int64_t ld, const R* values, int64_t stride, int64_t n, int64_t d,
+           float* o) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) return weigh_run<Lanes16, G, 4>(p, ld, values, stride, n, d, o);
+#endif
+  weigh_run<Lanes8, G, G == 3 ? 2 : 4>(p, ld, values, stride, n, d, o);
 }
 
 // query heads [h0, h0 + G) of new token t of request b, sharing kv head kvh: their attention over
