@@ -130,7 +130,7 @@ class Engine:
         self.version = "none"
         self.block_size = DEFAULT_BLOCK_SIZE
         if drafter is not None:
-            self._install_drafter(drafter, drafter_version)
+            self._install_drafter(self._serving_copy(drafter), drafter_version)
         self.policy: str = cfg.policy
         self._policy: Policy = make_policy(cfg.policy, self.block_size)
         self.gamma: float = cfg.gamma
@@ -204,7 +204,9 @@ class Engine:
                     "a hot swap must keep target_layer_ids and block_size: requests in flight "
                     "carry context features for the current layers"
                 )
-        self._commands.put(_Swap(drafter, version))
+        # the serving copy is made and packed here, on the caller's thread, so the step that
+        # installs it does not stall on it
+        self._commands.put(_Swap(self._serving_copy(drafter), version))
 
     def set_policy(self, policy: str | None = None, gamma: float | None = None) -> None:
         if policy is not None and policy not in POLICIES:
@@ -443,13 +445,18 @@ class Engine:
             r.features = self.features.allocate()
         r.drafter_version = self.version
 
-    def _install_drafter(self, drafter: DFlashDrafter, version: str) -> None:
-        """Serve a copy of ``drafter`` in the target's dtype with packed weights (the caller's
-        object may go on training)."""
+    def _serving_copy(self, drafter: DFlashDrafter) -> DFlashDrafter:
+        """A copy of ``drafter`` in the target's dtype with packed weights and its draft head
+        built (shared with the version served now where it is the same; the caller's object
+        may go on training)."""
         drafter.cfg.check_target(self.target.cfg)
-        drafter = copy.deepcopy(drafter).to(device=self.target.device, dtype=self.target.dtype)
-        drafter.eval().requires_grad_(False)
-        drafter.prepare_inference()
+        served = copy.deepcopy(drafter).to(device=self.target.device, dtype=self.target.dtype)
+        served.eval().requires_grad_(False)
+        served.prepare_inference(self.target.lm_head.weight, like=self.drafter)
+        return served
+
+    def _install_drafter(self, drafter: DFlashDrafter, version: str) -> None:
+        """Serve ``drafter``, a ``_serving_copy``."""
         c = drafter.cfg
         if self.features is None:  # a hot swap keeps the layers, hence the width
             self.features = FeatureStore(

@@ -160,6 +160,11 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _head_key(lm_head_weight: torch.Tensor) -> tuple[int, torch.dtype, torch.device]:
+    """What a cached draft head was built from (the target's LM-head weight)."""
+    return (lm_head_weight.data_ptr(), lm_head_weight.dtype, lm_head_weight.device)
+
+
 class DFlashDrafter(nn.Module):
     """Drafter layers, fusion and the adaptive length head (saved under ``length_head.*``)."""
 
@@ -179,6 +184,13 @@ class DFlashDrafter(nn.Module):
         self._head: (
             tuple[tuple[int, torch.dtype, torch.device], torch.Tensor, Packed | None] | None
         ) = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the draft head behind: a cache built from the target's
+        weights where the drafter serves (``prepare_inference``)."""
+        state = super().__getstate__()
+        state["_head"] = None
+        return state
 
     @property
     def dtype(self) -> torch.dtype:
@@ -204,7 +216,7 @@ class DFlashDrafter(nn.Module):
         return self._draft_head(lm_head_weight)[0]
 
     def _draft_head(self, lm_head_weight: torch.Tensor) -> tuple[torch.Tensor, Packed | None]:
-        key = (lm_head_weight.data_ptr(), lm_head_weight.dtype, lm_head_weight.device)
+        key = _head_key(lm_head_weight)
         if self._head is None or self._head[0] != key:
             # a plain (non-inference) tensor: training saves it for the backward pass
             with torch.inference_mode(False), torch.no_grad():
@@ -259,15 +271,37 @@ class DFlashDrafter(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
-    def prepare_inference(self) -> None:
+    def prepare_inference(
+        self, lm_head_weight: torch.Tensor | None = None, like: DFlashDrafter | None = None
+    ) -> None:
         """Serving only (never on a drafter that trains): packed weights for oneDNN and a
-        fused gate|up."""
+        fused gate|up; with ``lm_head_weight``, the draft head too, now rather than in the
+        first drafting step (gathering, cloning and packing the draft vocabulary's rows took
+        0.1 s there: a stall of every fresh engine's and every hot swap's first round). The
+        head is ``like``'s (the version served before) where both score the same rows of the
+        same weight: versions of one drafter share it instead of each packing its own."""
         for layer in self.drafter_layers:
             layer.mlp.fuse()
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 getattr(layer.self_attn, proj).pack_weight()
         self.fc.pack_weight()
         self._head = None  # the draft head gets packed with the new dtype
+        if lm_head_weight is None:
+            return
+        if like is not None and like._head is not None and self._same_rows(like, lm_head_weight):
+            self._head = like._head
+        else:
+            self._draft_head(lm_head_weight)
+
+    def _same_rows(self, other: DFlashDrafter, lm_head_weight: torch.Tensor) -> bool:
+        """Whether ``other``'s draft head is the one this drafter would build."""
+        assert other._head is not None
+        if other._head[0] != _head_key(lm_head_weight) or other.training or self.training:
+            return False
+        mine, theirs = self.draft_vocab, other.draft_vocab
+        if mine is None or theirs is None:
+            return mine is theirs
+        return torch.equal(mine, theirs)
 
     def forward(
         self,

@@ -1,5 +1,6 @@
 """The draft vocabulary: built by frequency, stored beside the weights, used when drafting."""
 
+import copy
 import json
 
 import pytest
@@ -85,3 +86,36 @@ def test_engine_with_a_draft_vocabulary_stays_exact(target):
     spec = engine.generate(prompts, params)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     assert engine.counters.drafted > 0
+
+
+def test_the_draft_head_is_built_at_install_and_shared_by_versions_of_one_vocabulary(target):
+    """Not in the first drafting step (a stall of 0.1 s at SmolLM2's size), and one per
+    vocabulary rather than one per hot-swapped version; copies leave it behind."""
+    torch.manual_seed(2)
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, mask_token_id=VOCAB - 1, block_size=4)
+    ids = torch.tensor([40, 3, 17, 88, 60, 5, 6, 7])
+    drafter = DFlashDrafter(cfg)
+    drafter.set_draft_vocab(ids)
+    engine = Engine(target, drafter, EngineConfig(policy="fixed"))
+    served = engine.drafter
+    assert served is not None and served._head is not None  # built before any step
+    assert drafter._head is None  # the caller's object is not the one serving
+    assert torch.equal(served.draft_head(target.lm_head.weight), target.lm_head.weight[ids])
+    assert copy.deepcopy(served)._head is None
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    plain = Engine(target, None, EngineConfig(policy="ar")).generate([[5, 6, 7]], params)
+
+    def swapped(vocab: torch.Tensor, version: str) -> DFlashDrafter:
+        new = DFlashDrafter(cfg)
+        new.set_draft_vocab(vocab)
+        engine.swap_drafter(new, version)
+        out = engine.generate([[5, 6, 7]], params)  # the swap applies at the next step
+        assert [r.output_ids for r in out] == [r.output_ids for r in plain]
+        assert engine.version == version and engine.drafter is not None
+        return engine.drafter
+
+    again = swapped(ids.clone(), "v1")  # same rows of the same weight: the same head
+    assert again._head is served._head
+    other = swapped(torch.tensor([9, 8, 7, 6]), "v2")  # other rows: its own
+    assert other._head is not None and other._head is not served._head
+    assert torch.equal(other.draft_head(target.lm_head.weight), target.lm_head.weight[[9, 8, 7, 6]])
