@@ -28,30 +28,43 @@ class Acceptance:
         return self.accepted + 1
 
 
-def _accepted_prefix(target_tokens: torch.Tensor, drafts: torch.Tensor) -> int:
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Row-wise argmax of (n, V) scores as Python ints. fp32/fp64 CPU rows take NumPy's
+    one-thread SIMD scan: one row of SmolLM2's 49,152 logits in 4.4 µs against torch's 44 µs,
+    which spreads the row over the thread pool and wakes it; in the engine's greedy acceptance
+    that was 150 µs a step (2% of a compiled batch-1 step; Zen 5, 2 threads). Same answer: the
+    first index of the maximum, the first NaN where a row has one."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return x.detach().numpy().argmax(-1).tolist()
+    return x.argmax(-1).tolist()
+
+
+def _accepted_prefix(target_tokens: list[int], drafts: list[int]) -> int:
     """Length of the longest prefix where target_tokens[j] == drafts[j]."""
-    mismatch = (target_tokens[: drafts.numel()] != drafts).nonzero()
-    return int(mismatch[0, 0]) if mismatch.numel() else drafts.numel()
+    return next(
+        (j for j, (t, d) in enumerate(zip(target_tokens, drafts, strict=False)) if t != d),
+        len(drafts),
+    )
 
 
-def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor) -> Acceptance:
-    """logits (k̂, V) from the target, drafts (k̂−1,) → accepted count and bonus token."""
-    assert logits.shape[0] == drafts.numel() + 1, "one target row per verified slot"
-    target_tokens = logits.argmax(dim=-1)  # (k̂,)
+def greedy_accept(logits: torch.Tensor, drafts: list[int]) -> Acceptance:
+    """logits (k̂, V) from the target, drafts (k̂−1 tokens) → accepted count and bonus token."""
+    assert logits.shape[0] == len(drafts) + 1, "one target row per verified slot"
+    target_tokens = argmax_rows(logits)  # k̂ tokens
     m = _accepted_prefix(target_tokens, drafts)
-    return Acceptance(m, int(target_tokens[m]))
+    return Acceptance(m, target_tokens[m])
 
 
 def sampled_accept(
     logits: torch.Tensor,
-    drafts: torch.Tensor,
+    drafts: list[int],
     temperature: float,
     top_k: int,
     top_p: float,
     generator: torch.Generator | None,
 ) -> Acceptance:
     """Lossless acceptance for T > 0 with a deterministic (argmax) drafter."""
-    assert logits.shape[0] == drafts.numel() + 1, "one target row per verified slot"
-    y = sample(target_probs(logits, temperature, top_k, top_p), generator)  # (k̂,)
+    assert logits.shape[0] == len(drafts) + 1, "one target row per verified slot"
+    y = sample(target_probs(logits, temperature, top_k, top_p), generator).tolist()  # k̂ tokens
     m = _accepted_prefix(y, drafts)
-    return Acceptance(m, int(y[m]))
+    return Acceptance(m, y[m])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaflash.decoding.acceptance import greedy_accept, sampled_accept
+from adaflash.decoding.acceptance import argmax_rows, greedy_accept, sampled_accept
 from adaflash.decoding.sampling import sample, target_probs
 from adaflash.engine.policy import Policy, PolicyContext
 from adaflash.engine.request import FeatureStore, Request
@@ -295,13 +295,12 @@ def accept_and_commit(
     r, (first, n, logit_first) = plan.req, row
     assert out.logits is not None
     logits = out.logits[logit_first : logit_first + n]  # (k̂, V)
-    drafts = torch.tensor(plan.drafts, dtype=torch.long)
     # 6. accept: longest agreeing prefix + the target's bonus token
     p = r.params
     acc = (
-        greedy_accept(logits, drafts)
+        greedy_accept(logits, plan.drafts)
         if p.greedy
-        else sampled_accept(logits, drafts, p.temperature, p.top_k, p.top_p, r.generator)
+        else sampled_accept(logits, plan.drafts, p.temperature, p.top_k, p.top_p, r.generator)
     )
     # 7. commit: keep anchor + accepted drafts in the KV cache and the drafter context
     cache.truncate(r.slot, r.anchor_pos + acc.accepted + 1)
@@ -325,5 +324,5 @@ def commit_prefill(
     logits = out.logits[logit_row : logit_row + 1]  # (1, V)
     p = r.params
     if p.greedy:
-        return int(logits.argmax(-1))
+        return argmax_rows(logits)[0]
     return int(sample(target_probs(logits, p.temperature, p.top_k, p.top_p), r.generator))
