@@ -22,7 +22,12 @@ the same concurrency, measured in the same run. Results: JSON, a Markdown table 
 adaptation; the engine's verify-width policies, each with three drafters.
 
 - methods: ``ar`` (1.0×), ``hf``, ``head`` (length head), ``cost`` (cost-aware: a request may
-  not draft at all), ``oracle-len`` (k̂ = accepted + 1, needs the answer key)
+  not draft at all), ``oracle-len`` (k̂ = accepted + 1, needs the answer key), and with
+  ``--gguf`` a peer row, ``llamacpp``: llama.cpp (``bench/llamacpp_peer.py`` in a process of its
+  own, the optional ``bench`` extra; ``scripts/peer_models.sh`` builds it and the GGUF files) on
+  the same prompts, C sequences at a time in one ``llama_decode`` batch, greedy, each prompt
+  exactly ``--max-new-tokens`` tokens (EOS ignored, where our engine may stop earlier: the rows
+  compare rates)
 - drafters: ``shipped`` (``--drafter``), ``weak`` (the shipped config and draft vocabulary with
   random weights, ``--seed``: almost never right) and ``oracle`` (drafts are the target's own
   greedy continuation, at the shipped drafter's cost; its ``oracle-len`` row would repeat
@@ -166,6 +171,7 @@ class Setup:
     eos: list[int]
     params: SamplingParams
     args: argparse.Namespace
+    llama: Any = None  # the llama.cpp peer (``--gguf``), a LlamaCppPeer
     # (drafter, method, concurrency) → the cost model and policy its runs share (not --cold)
     warm: dict[tuple[str | None, str, int], tuple[CostModel, policies.Policy]] = field(
         default_factory=dict
@@ -223,6 +229,17 @@ def run_hf(
             n = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
             tokens += n - (1 if row[n - 1] in eos else 0)
     return {"tokens_per_s": tokens / (time.perf_counter() - t0), "output_tokens": tokens}
+
+
+def run_llamacpp(peer: Any, prompts: list[list[int]], c: int, new: int) -> dict:
+    """The llama.cpp peer over ``prompts``, ``c`` at a time (one batch each): tokens/s over all."""
+    tokens, seconds = 0, 0.0
+    for i in range(0, len(prompts), c):
+        chunk = prompts[i : i + c]
+        tps, _ = peer.run(chunk, new)
+        tokens += len(chunk) * new
+        seconds += len(chunk) * new / tps
+    return {"tokens_per_s": tokens / seconds, "output_tokens": tokens}
 
 
 def cell_config(policy: Policy, concurrency: int) -> EngineConfig:
@@ -371,9 +388,10 @@ def weak_drafter(shipped: DFlashDrafter, seed: int) -> DFlashDrafter:
     return weak.eval()
 
 
-def policy_plan(drafters: list[str], with_hf: bool = True) -> list[Key]:
+def policy_plan(drafters: list[str], with_hf: bool = True, with_llama: bool = False) -> list[Key]:
     """The methods of one cell in the order each repeat runs them."""
     plan: list[Key] = [(None, "ar")] + ([(None, "hf")] if with_hf else [])
+    plan += [(None, "llamacpp")] if with_llama else []
     for d in drafters:
         plan += [(d, m) for m in POLICY_METHODS if not (d == "oracle" and m == "oracle-len")]
     return plan
@@ -391,6 +409,8 @@ def run_method(
     name, method = key
     if method == "hf":
         return run_hf(s.hf, prompts, c, s.args.max_new_tokens, s.eos[0], s.eos, False)
+    if method == "llamacpp":
+        return run_llamacpp(s.llama, prompts, c, s.args.max_new_tokens)
     cfg = cell_config(ENGINE_POLICY[method], c)
     eos = tuple(s.eos)
     if name is None:
@@ -420,7 +440,7 @@ def policy_cell(
     The oracles' answer key is the cell's own ``ar`` output: in bf16 a batch-16 eager reference
     and a batch-1 compiled step can round a near-tie differently, and an oracle drafter that
     follows a continuation the target no longer produces stops being an oracle."""
-    plan = policy_plan(list(drafters), with_hf=not s.args.no_hf)
+    plan = policy_plan(list(drafters), with_hf=not s.args.no_hf, with_llama=s.llama is not None)
     runs: dict[Key, list[dict]] = {key: [] for key in plan}
     for rep in range(s.args.repeats):
         for key in rotated(plan, rep, s.args.repeats):
@@ -738,7 +758,8 @@ def mean(values: list[float]) -> float:
 
 def policy_summary(idx: dict, drafter: str, concs: list[int], domains: list[str]) -> list[str]:
     """Rows = method (ar and hf for reference), columns = C, cells = domain-averaged speedup."""
-    methods = [("ar", None), ("hf", None)] + [(m, drafter) for m in POLICY_METHODS]
+    methods = [("ar", None), ("hf", None), ("llamacpp", None)]
+    methods += [(m, drafter) for m in POLICY_METHODS]
     lines = [
         "| method | " + " | ".join(f"C={c}" for c in concs) + " |",
         "|---|" + "---|" * len(concs),
@@ -768,7 +789,7 @@ def policy_detail(
 ) -> list[str]:
     """Rows = method × domain, columns = C; cells = median speedup [worst–best], paired speedup
     / τ (width), or for ar/hf (``drafter`` None) median tokens/s [min–max]."""
-    methods = ("ar", "hf") if drafter is None else POLICY_METHODS
+    methods = ("ar", "hf", "llamacpp") if drafter is None else POLICY_METHODS
     lines = [
         "| method | domain | " + " | ".join(f"C={c}" for c in concs) + " |",
         "|---|---|" + "---|" * len(concs),
@@ -1005,6 +1026,11 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="policy study: leave out HF generate (bench/peers.py has it)",
     )
+    ap.add_argument(
+        "--gguf",
+        default=None,
+        help="policy study: a llama.cpp GGUF of the target (BF16) for a peer row (the bench extra)",
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument(
         "--no-compile", action="store_true", help="policy study: eager one-request steps"
@@ -1032,6 +1058,8 @@ def parse_args() -> argparse.Namespace:
             args.max_new_tokens = 24
     if args.repeats is None:
         args.repeats = 2 if args.quick else 3
+    if args.gguf and not Path(args.gguf).is_file():
+        ap.error(f"--gguf {args.gguf}: no such file (scripts/peer_models.sh makes it)")
     if args.repeats < 1:
         ap.error("--repeats must be ≥ 1")
     return args
@@ -1052,6 +1080,10 @@ def main() -> None:
 
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, args.dtype))
     s = Setup(target, tok, hf, eos, SamplingParams(max_new_tokens=args.max_new_tokens), args)
+    if args.gguf and args.study in ("policies", "both"):
+        from peers import LlamaCppPeer  # bench/peers.py: bench/ is on sys.path as a script
+
+        s.llama = LlamaCppPeer(Path(args.gguf), torch.get_num_threads(), max(args.concurrency))
     args.engine = engine_knobs(shipped.cfg.block_size)
     study_paper, study_policies = (
         args.study in ("paper", "both"),
@@ -1091,7 +1123,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "bench/compare.py",
-        "args": {**vars(args), "drafter": repo_relative(args.drafter)},
+        "args": {
+            **vars(args),
+            "drafter": repo_relative(args.drafter),
+            "gguf": args.gguf and Path(args.gguf).name,  # a file of the user's cache
+        },
         "note": args.note,
         "rows": rows,
         "adaptation_curves": curves,

@@ -100,6 +100,27 @@ def test_policy_plan_skips_the_oracle_drafters_length_oracle(compare: ModuleType
     assert len(plan) == 2 + 3 + 3 + 2
 
 
+def test_the_llamacpp_peer_row_runs_c_prompts_a_batch_and_reports_their_rate(
+    compare: ModuleType,
+) -> None:
+    class Peer:  # the peer's protocol (bench/llamacpp_peer.py): a batch in, (tok/s, ms) out
+        def __init__(self) -> None:
+            self.batches: list[int] = []
+
+        def run(self, prompts: list[list[int]], new: int) -> tuple[float, float]:
+            self.batches.append(len(prompts))
+            return 10.0 * len(prompts), 1.0  # ten tokens a second per sequence
+
+    peer = Peer()
+    got = compare.run_llamacpp(peer, [[1]] * 5, 2, 6)
+    assert peer.batches == [2, 2, 1]
+    # 30 tokens: 12 in 0.6 s, 12 in 0.6 s, 6 in 0.6 s
+    assert got == {"tokens_per_s": 30 / 1.8, "output_tokens": 30}
+    plan = compare.policy_plan(["weak"], with_hf=False, with_llama=True)
+    assert plan[:2] == [(None, "ar"), (None, "llamacpp")]
+    assert (None, "llamacpp") not in compare.policy_plan(["weak"], with_hf=False)
+
+
 def test_repeats_rotate_the_order_and_the_first_keeps_ar_first(compare: ModuleType) -> None:
     plan = compare.policy_plan(["shipped", "weak", "oracle"], with_hf=False)
     orders = [compare.rotated(plan, rep, 3) for rep in range(3)]
