@@ -757,7 +757,8 @@ def mean(values: list[float]) -> float:
 
 
 def policy_summary(idx: dict, drafter: str, concs: list[int], domains: list[str]) -> list[str]:
-    """Rows = method (ar and hf for reference), columns = C, cells = domain-averaged speedup."""
+    """Rows = method (ar, hf and llamacpp for reference), columns = C, cells = domain-averaged
+    speedup."""
     methods = [("ar", None), ("hf", None), ("llamacpp", None)]
     methods += [(m, drafter) for m in POLICY_METHODS]
     lines = [
@@ -788,7 +789,7 @@ def policy_detail(
     idx: dict, drafter: str | None, concs: list[int], domains: list[str]
 ) -> list[str]:
     """Rows = method × domain, columns = C; cells = median speedup [worst–best], paired speedup
-    / τ (width), or for ar/hf (``drafter`` None) median tokens/s [min–max]."""
+    / τ (width), or for ar/hf/llamacpp (``drafter`` None) median tokens/s [min–max]."""
     methods = ("ar", "hf", "llamacpp") if drafter is None else POLICY_METHODS
     lines = [
         "| method | domain | " + " | ".join(f"C={c}" for c in concs) + " |",
@@ -880,7 +881,7 @@ def policy_markdown(result: dict) -> str:
         "",
         "### per cell",
         "",
-        "`ar` and `hf`: median tokens/s [min–max] over the repeats.",
+        "`ar`, `hf` and `llamacpp`: median tokens/s [min–max] over the repeats.",
         "",
         *policy_detail(idx, None, concs, domains),
     ]
