@@ -1081,15 +1081,15 @@ def main() -> None:
 
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, args.dtype))
     s = Setup(target, tok, hf, eos, SamplingParams(max_new_tokens=args.max_new_tokens), args)
-    if args.gguf and args.study in ("policies", "both"):
-        from peers import LlamaCppPeer  # bench/peers.py: bench/ is on sys.path as a script
-
-        s.llama = LlamaCppPeer(Path(args.gguf), torch.get_num_threads(), max(args.concurrency))
     args.engine = engine_knobs(shipped.cfg.block_size)
     study_paper, study_policies = (
         args.study in ("paper", "both"),
         args.study in ("policies", "both"),
     )
+    if args.gguf and study_policies:
+        from peers import LlamaCppPeer  # bench/peers.py: bench/ is on sys.path as a script
+
+        s.llama = LlamaCppPeer(Path(args.gguf), torch.get_num_threads(), max(args.concurrency))
     served = copy.deepcopy(shipped).to(getattr(torch, args.dtype)).eval()  # as serve runs it
     weak = weak_drafter(shipped, args.seed).to(served.dtype)
     drafters = {
