@@ -81,6 +81,8 @@ class Snapshot:
     output_tokens: int
     requests: int
     swaps: int
+    probed: int = 0  # draft slots the cost policy's probes checked (shadow drafts) …
+    probe_hits: int = 0  # … and found accepted
 
     @classmethod
     def parse(cls, text: str, t: float) -> Snapshot:
@@ -90,6 +92,8 @@ class Snapshot:
             for s in family.samples:
                 if s.name == "adaflash_active_version":
                     version, policy = s.labels["version"], s.labels["policy"]
+                elif s.name == "adaflash_policy_check_total":
+                    values[f"adaflash_{s.labels['term']}"] = s.value
                 elif not s.labels:
                     values[s.name.removesuffix("_total")] = s.value
 
@@ -106,6 +110,8 @@ class Snapshot:
             n("output_tokens"),
             n("requests"),
             n("swaps"),
+            n("probe_slots_compared"),
+            n("probe_slots_accepted"),
         )
 
 
@@ -119,7 +125,9 @@ class Window:
     output_tokens: int
     accept_len: float  # τ
     verify_len: float
-    acceptance_rate: float  # accepted drafts per verified draft (the drafter's hit rate)
+    # the drafter's hit rate: accepted drafts per draft checked, verified or probed (a drafter
+    # that does not pay is only probed: its hit rate moves before τ does)
+    acceptance_rate: float
     tokens_per_s: float
 
     @classmethod
@@ -131,6 +139,13 @@ class Window:
         )
         seconds = max(b.t - a.t, 1e-9)
         tokens = b.output_tokens - a.output_tokens
+        # probes' checked slots count as verified drafts (what verifying them would have said)
+        hit = SpecCounters.from_totals(
+            16,
+            b.rounds - a.rounds,
+            b.verified - a.verified + b.probed - a.probed,
+            b.accepted - a.accepted + b.probe_hits - a.probe_hits,
+        )
         return cls(
             version or a.version,
             round(seconds, 1),
@@ -138,7 +153,7 @@ class Window:
             tokens,
             round(c.accept_len, 4),
             round(c.verify_len, 4),
-            round(c.acceptance_rate, 4),
+            round(hit.acceptance_rate, 4),
             round(tokens / seconds, 2),
         )
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from adaflash.config import DEFAULT_BLOCK_SIZE, POLICIES, EngineConfig, SamplingParams
 from adaflash.cost_model import CostModel
 from adaflash.engine.detokenize import cut_at_stop
-from adaflash.engine.policy import Policy, PolicyContext, make_policy
+from adaflash.engine.policy import Policy, PolicyContext, make_policy, probe_outcome
 from adaflash.engine.records import NullSink, RecordSink, RequestRecord, RoundRecord
 from adaflash.engine.request import (
     EventCallback,
@@ -80,6 +80,10 @@ class EngineStats:
     # (how well the acceptance profiles predict: a plan that expects more than it gets loses)
     expected_drafting_tokens: float = 0.0
     realised_drafting_tokens: float = 0.0
+    # the cost policy's probes (shadow drafts checked against the tokens committed after them)
+    probes: int = 0
+    probe_slots: int = 0  # draft slots they compared …
+    probe_accepted: int = 0  # … and those that matched (what verifying would have accepted)
 
 
 @dataclass
@@ -336,6 +340,8 @@ class Engine:
         r.verify_ms += res.verify_ms
         self._policy.observe(r, plan.verify_len, v.accepted, self.block_size)
         emitted = self._guarded(r, lambda: self._emit(r, v.tokens, v.kinds)) or 0
+        if r.shadow is not None:
+            self._answer_probe(r)
         self.counters.add_round(plan.verify_len, v.accepted, plan.drafted)
         self.sink.offer(
             RoundRecord(
@@ -355,6 +361,19 @@ class Engine:
                 domain=r.domain,
             )
         )
+
+    def _answer_probe(self, r: Request) -> None:
+        """Check ``r``'s shadow draft against what it committed since, once that decides it."""
+        outcome = probe_outcome(r)
+        if outcome is None:
+            return
+        r.shadow = None
+        compared, accepted = outcome
+        if compared:
+            self._policy.observe_probe(r, compared, accepted, self.block_size)
+            self.stats.probes += 1
+            self.stats.probe_slots += compared
+            self.stats.probe_accepted += accepted
 
     def _guarded(self, r: Request, fn: Callable[[], int]) -> int | None:
         """Run one request's part of a step (a callback may raise): an exception ends that
@@ -488,6 +507,7 @@ class Engine:
                 for r in self.running:  # context KV depends on drafter weights: rebuild lazily
                     r.draft_slot, r.ctx_version, r.ctx_len = -1, None, 0
                     r.slot_seen, r.slot_ok, r.probe_gap = [], [], 0  # and so does its profile
+                    r.shadow = None  # … and what its probe drafted
                 self._policy = make_policy(self.policy, self.block_size)
                 self.stats.swaps += 1
                 self._request_graphs()

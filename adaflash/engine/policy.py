@@ -21,22 +21,29 @@ every prefix. Who drafts is chosen the same way, comparing the best rate with ea
 drafting requests against the plain step; a number whose expected tokens, every slot counted,
 over its cheapest possible step cannot beat the best so far is not planned at all (so a drafter
 that does not pay costs the policy a few microseconds a step, not a plan per subset). A
-request that has not drafted for ``probe_every`` rounds drafts anyway (its profile may be stale
+request that has not drafted for ``probe_every`` rounds is probed (its profile may be stale
 after a hot swap or on a new domain); a probe that finds nothing doubles that gap (up to 256
-rounds), one that finds accepted drafts resets it. The
-engine keeps the same gap for the drafter as a whole, and a new request starts from it, so a
-drafter that keeps failing is not probed again by every request that arrives. When nobody
-drafts, the drafter-wide gap counts steps, not a request's rounds (short replies would never
-reach it): after that many steps without a drafter pass, one probe runs, on the ready request
-with the least context to catch up (its drafter pass is the cheapest). Such a lone probe costs a
-drafter pass and a verification instead of a plain step — several plain steps' time where plain
-steps are compiled — so probes wait for a budget: every step adds ``PROBE_SHARE`` of a plain
-step's predicted time (up to ``PROBE_START_S``), a lone probe runs only while the budget is
-positive and spends its predicted cost (into debt, if it costs more), probes that ride along in
-a step where others draft spend what they add to it (``ride_along``), and the tokens a probe
-gets accepted pay back what they saved (a plain step's time per token). So probes of a drafter
-that does not pay cost about that share of serving time, plus the start's ``PROBE_START_S``
-(again after a new drafter version) and at most one probe of debt.
+rounds), one that finds accepted drafts resets it. A probe is a *shadow* draft: the drafter
+proposes the request's whole block, the target does not verify it, and the request takes its
+plain step as if nothing had been drafted. The tokens it then commits are the answer key: the
+drafts matched before the first miss are what verifying the block would have accepted — exactly
+under greedy decoding, and in distribution under sampling, since a draft the drafter proposes
+with certainty is accepted with the target's probability of that token, the probability that
+the target's own sample is that token (``probe_outcome``). So a probe costs a drafter pass and
+nothing else: the step stays the plain (compiled, batched) one, and the probe measures every
+slot of the block, not a narrow verification's few. The engine keeps the same gap for the
+drafter as a whole, and a new request starts from it, so a drafter that keeps failing is not
+probed again by every request that arrives. When nobody drafts, the drafter-wide gap counts
+steps, not a request's rounds (short replies would never reach it): after that many steps
+without a drafter pass — and at the first step of a new drafter — a pass of probes runs, on up to
+``PROBE_REQUESTS`` ready requests with the least context to catch up (their drafter passes are
+the cheapest); a pass whose probes all find nothing doubles the gap once. Nothing is verified on
+faith: the engine-wide profile starts at a = 0, so a new drafter drafts once probes have shown
+what it is worth. Probes wait for a budget: every step adds ``PROBE_SHARE`` of a plain step's
+predicted time (up to ``PROBE_START_S``), and each probe joins a drafter pass only while the
+budget is positive, spending what it adds to that pass (``ride_along``; into debt, if it costs
+more). So probes of a drafter that does not pay cost about that share of serving time, plus the
+start's ``PROBE_START_S`` (again after a new drafter version) and at most one pass of debt.
 The other way round, a drafter that always pays would leave the plain step it is compared
 against unmeasured: where the cost model says that price is stale (``CostModel.plain_stale``),
 a step in which somebody would draft, with no prompt chunk in its pass, is a plain step
@@ -45,7 +52,7 @@ instead, and times it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +83,7 @@ class Policy:
     uses_head = False
     predicted_s: float | None = None  # this step's time as planned, where a policy plans it
     expected_tokens: float | None = None  # … and the tokens it expects the step to commit
+    probes: Sequence[Request] = ()  # this step's shadow drafts (``drafters`` sets them)
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
         return ready
@@ -99,6 +107,12 @@ class Policy:
             ok[i] = DECAY * ok[i] + float(i < accepted)
         r.last_drafted = r.rounds
 
+    def observe_probe(self, r: Request, compared: int, accepted: int, block_size: int) -> None:
+        """A shadow draft's outcome (``probe_outcome``): ``compared`` draft slots checked
+        against the committed tokens, the first ``accepted`` of them right. It says what
+        verifying ``compared`` + 1 tokens would have said: a round of that width."""
+        self.observe(r, compared + 1, accepted, block_size)
+
 
 class ArPolicy(Policy):
     name = "ar"
@@ -121,11 +135,12 @@ class HeadPolicy(Policy):
 DECAY = 0.9  # per verified round: a request's profile follows its last ~10 rounds
 MAX_PROBE_GAP = 256  # rounds: a request whose probes keep failing is probed this rarely
 PRIOR_WEIGHT = 1.0  # rounds' worth of the engine-wide profile mixed into each request's
-START = (1.0, 2.0)  # engine-wide (accepted, verified) per slot before any round: a = 0.5, weak
+START = (0.0, 1.0)  # engine-wide (accepted, verified) per slot before any round: a = 0, weak
 CAL_DECAY = 0.99  # per verified slot: the calibration follows its last ~100 verifications
 CAL_WEIGHT = 2.0  # planned tokens' worth of "as planned" it starts from
 PROBE_SHARE = 0.01  # probes spend at most this share of the serving time …
 PROBE_START_S = 0.25  # … after a start of this many seconds (also the budget's cap)
+PROBE_REQUESTS = 4  # a pass of probes alone takes up to this many requests, cheapest first
 
 
 def reached(verify_len: int, accepted: int) -> range:
@@ -148,40 +163,44 @@ def profile(r: Request, block_size: int) -> tuple[list[float], list[float]]:
 class CostPolicy(Policy):
     name = "cost"
 
-    def __init__(self, block_size: int, probe_every: int = 16, probe_width: int = 4) -> None:
-        self.block_size, self.probe_every, self.probe_width = block_size, probe_every, probe_width
-        self.probing: set[int] = set()
+    def __init__(self, block_size: int, probe_every: int = 16) -> None:
+        self.block_size, self.probe_every = block_size, probe_every
+        self.probes: list[Request] = []
         self.predicted_s: float | None = None  # this step's time as planned (engine checks it)
         self.expected_tokens: float | None = None  # … and its tokens (verified requests')
         self.draft_s = 0.0  # this step's drafter pass as planned
-        self.token_s = 0.0  # a plain step's seconds per token, last seen
         self.reset()
 
     def reset(self) -> None:
-        # engine-wide profile: decayed counts over all requests; it starts at a = 0.5 per slot
-        # with little weight (a coin flip: worth a narrow look, not a wide one)
+        # engine-wide profile: decayed counts over all requests; it starts at a = 0 per slot
+        # with little weight: nothing is verified on faith, a probe finds out first (it costs
+        # a drafter pass; betting a prior of 0.5 on 16 requests' first drafts cost a run at
+        # C = 16 with the weak drafter a quarter of its time, before shadow drafts)
         self.seen = [START[1]] * (self.block_size - 1)
         self.ok = [START[0]] * (self.block_size - 1)
         self.probe_gap = self.probe_every  # the drafter's: where a new request's gap starts
-        self.idle_steps = 0  # steps since the drafter last ran
-        self.probe_budget_s = PROBE_START_S  # what lone probes may still spend (docstring)
+        self.idle_steps = self.probe_gap  # steps since the drafter last ran: probe at once
+        self.probe_passes = self.backed_off = 0  # passes with probes; the last that backed off
+        # id(request) → the pass its probe went in, and its gap then
+        self.launched: dict[int, tuple[int, int]] = {}
+        self.probe_budget_s = PROBE_START_S  # what probes may still spend (docstring)
         # calibration per slot: decayed Σ planned survival and Σ accepted over verified slots
         self.cal_planned = [CAL_WEIGHT] * (self.block_size - 1)
         self.cal_accepted = [CAL_WEIGHT] * (self.block_size - 1)
         self.planned: dict[int, list[float]] = {}  # this step's raw survival per request
 
+    def observe_probe(self, r: Request, compared: int, accepted: int, block_size: int) -> None:
+        # back off while probes find nothing, for this request and for the drafter (once per
+        # probe pass: a pass of four that found nothing doubles the gap once)
+        launched, gap = self.launched.pop(id(r), (0, r.probe_gap or self.probe_gap))
+        r.probe_gap = self.probe_every if accepted else min(2 * gap, MAX_PROBE_GAP)
+        if accepted:
+            self.probe_gap = self.probe_every
+        elif launched > self.backed_off:
+            self.probe_gap, self.backed_off = min(2 * self.probe_gap, MAX_PROBE_GAP), launched
+        super().observe_probe(r, compared, accepted, block_size)
+
     def observe(self, r: Request, verify_len: int, accepted: int, block_size: int) -> None:
-        if id(r) in self.probing and verify_len > 1:  # a probe: back off while it finds nothing
-            gap = r.probe_gap or self.probe_gap
-            r.probe_gap = self.probe_every if accepted else min(2 * gap, MAX_PROBE_GAP)
-            self.probe_gap = (
-                self.probe_every if accepted else min(2 * self.probe_gap, MAX_PROBE_GAP)
-            )
-            # what the probe's accepted drafts saved (a plain step's time per token) pays back
-            self.probe_budget_s = min(
-                self.probe_budget_s + accepted * self.token_s,
-                max(self.probe_budget_s, PROBE_START_S),
-            )
         planned = self.planned.pop(id(r), [])
         for i, s in enumerate(planned[: verify_len - 1]):
             self.cal_planned[i] = CAL_DECAY * self.cal_planned[i] + s
@@ -275,6 +294,7 @@ class CostPolicy(Policy):
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
         self.predicted_s = self.expected_tokens = None  # prefills only: nothing planned
+        self.probes = []
         if not ready:
             return []
         k = ctx.block_size
@@ -290,7 +310,7 @@ class CostPolicy(Policy):
         # what bounds every plan below: a drafting step's target pass costs at least the plain
         # one (or the narrowest wider pass, where a fitted line tilts below it)
         least_pass = min(plain_s, ctx.cost.target_s(len(ready) + ctx.other_tokens + 1, len(ready)))
-        best_n, best_rate, best_widths = 0, plain_rate, {}
+        best_n, best_rate = 0, plain_rate
         tokens, pending = float(len(ready)), 0
         for n, r in enumerate(order, 1):
             tokens, pending = tokens + gain[id(r)], pending + ctx.pending(r)
@@ -301,84 +321,70 @@ class CostPolicy(Policy):
                 continue
             if ranked is None:
                 ranked = rank_slots(ready, surv)
-            rate, widths = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds)
+            rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds)
             if rate > best_rate:
-                best_n, best_rate, best_widths = n, rate, widths
+                best_n, best_rate = n, rate
         if best_n and not ctx.other_tokens and ctx.cost.plain_stale(ctx.requests or len(ready)):
             # drafting would pay by the estimates, but the compiled plain step it beats was
             # never timed at this batch size or not lately: this step is that plain step (a
             # drafter that always pays loses one step's speculation per compiled batch size
             # it meets, and one in PLAIN_REFRESH after that)
-            self.probing, self.draft_s = set(), 0.0
+            self.draft_s = 0.0
             return []
         chosen = order[:best_n]
-        # probes, paid from the budget (docstring): when the drafter runs regardless, the
-        # requests that have not drafted for their gap ride along, cheapest first, while the
-        # budget lasts; when it would not run, one request once the drafter has been idle for
-        # the drafter-wide gap
+        # probes (shadow drafts), paid from the budget (docstring): when the drafter runs
+        # regardless, the requests that have not drafted for their gap join its pass,
+        # cheapest first, while the budget lasts; when it would not run, a pass of up to
+        # PROBE_REQUESTS of them once the drafter has been idle for the drafter-wide gap
         self.probe_budget_s = min(self.probe_budget_s + PROBE_SHARE * plain_s, PROBE_START_S)
+        idle = [r for r in order[best_n:] if r.shadow is None]  # none awaiting its answer
         if chosen:
-            due = [
-                r
-                for r in order[best_n:]
-                if r.rounds - r.last_drafted >= (r.probe_gap or self.probe_gap)
-            ]
+            due = [r for r in idle if r.rounds - r.last_drafted >= (r.probe_gap or self.probe_gap)]
             due.sort(key=ctx.pending)
-            stale = self.ride_along(chosen, best_widths, due, len(ready), ctx)
+            probes = self.ride_along(chosen, due, ctx)
         else:
             self.idle_steps += 1
-            lone = self.idle_steps >= self.probe_gap and self.probe_budget_s > 0
-            stale = sorted(order, key=ctx.pending)[:1] if lone else []
-            # spent even beyond what is left (a probe may cost more than the cap): the debt
-            # holds the next one back until plain steps have paid it off
-            self.probe_budget_s -= sum(self.probe_s(r, len(ready), plain_s, ctx) for r in stale)
-        self.token_s = plain_s / len(ready)  # what an accepted draft token saves
-        if chosen or stale:
+            lone = self.idle_steps >= self.probe_gap
+            cheapest = sorted(idle, key=ctx.pending)[:PROBE_REQUESTS] if lone else []
+            probes = self.ride_along([], cheapest, ctx)
+        if chosen or probes:
             self.idle_steps = 0
-        self.probing = {id(r) for r in stale}
-        spec = chosen + stale
-        # the drafter's share of the step, priced now: once it ran, nothing is pending
-        self.draft_s = ctx.cost.drafter_s(len(spec), sum(ctx.pending(r) for r in spec))
-        return spec
+        if probes:
+            self.probe_passes += 1
+        for r in probes:  # its gap counts from now
+            r.last_drafted = r.rounds
+            self.launched[id(r)] = (self.probe_passes, r.probe_gap or self.probe_gap)
+        self.probes = probes
+        # the drafter's pass, priced now: once it ran, nothing is pending
+        passed = chosen + probes
+        self.draft_s = ctx.cost.drafter_s(len(passed), sum(ctx.pending(r) for r in passed))
+        if probes and not chosen:  # a plain step with a drafter pass beside it
+            self.predicted_s, self.expected_tokens = plain_s + self.draft_s, float(len(ready))
+        return chosen
 
     def ride_along(
-        self,
-        chosen: list[Request],
-        widths: dict[int, int],  # their planned widths (``plan``)
-        due: list[Request],
-        requests: int,
-        ctx: PolicyContext,
+        self, chosen: list[Request], due: list[Request], ctx: PolicyContext
     ) -> list[Request]:
-        """The probes of ``due`` that join a step in which ``chosen`` draft, in order, each
-        while the budget is positive and spending what it adds: one more request in the
-        drafter pass and ``probe_width - 1`` more tokens in the target pass. (Joining for free,
-        all 15 other requests of an eager step of 16 were probed together every 16 rounds,
-        each such step costing 3.3× a plain one, on an AVX2 EPYC.)"""
+        """The probes of ``due`` that join the drafter pass of a step in which ``chosen``
+        draft (none: a pass of probes alone), in order, each while the budget is positive and
+        spending what it adds to that pass: one more request, and its context to catch up —
+        even beyond what is left (one pass may cost more than the cap): the debt holds the next
+        probes back until plain steps have paid it off. (Joining for free, all 15 other
+        requests of a step of 16 were probed together every 16 rounds.)"""
         if not due or self.probe_budget_s <= 0:
             return []
-        plain = requests - len(chosen)
-        n_tok = sum(widths.values()) + plain + ctx.other_tokens
         pending = sum(ctx.pending(r) for r in chosen)
-        step_s = ctx.cost.drafter_s(len(chosen), pending) + ctx.cost.target_s(n_tok, requests)
+        pass_s = ctx.cost.drafter_s(len(chosen), pending)
         out: list[Request] = []
         for r in due:
             if self.probe_budget_s <= 0:
                 break
-            n_tok += self.probe_width - 1
             pending += ctx.pending(r)
-            drafting = len(chosen) + len(out) + 1
-            more_s = ctx.cost.drafter_s(drafting, pending) + ctx.cost.target_s(n_tok, requests)
-            self.probe_budget_s -= max(more_s - step_s, 0.0)
-            step_s = more_s
+            more_s = ctx.cost.drafter_s(len(chosen) + len(out) + 1, pending)
+            self.probe_budget_s -= max(more_s - pass_s, 0.0)
+            pass_s = more_s
             out.append(r)
         return out
-
-    def probe_s(self, r: Request, requests: int, plain_s: float, ctx: PolicyContext) -> float:
-        """Predicted extra seconds of probing ``r`` in a step of ``requests`` that would
-        otherwise be plain (``plain_s``): its drafter pass and the wider target pass."""
-        n = requests + ctx.other_tokens + self.probe_width - 1
-        wider = ctx.cost.target_s(n, requests) - plain_s
-        return ctx.cost.drafter_s(1, ctx.pending(r)) + max(wider, 0.0)
 
     def widths(
         self, spec: list[Request], a_hat: torch.Tensor | None, ctx: PolicyContext
@@ -387,9 +393,7 @@ class CostPolicy(Policy):
         raw = {id(r): self.survival(r, k, calibrated=False) for r in spec}
         surv = {rid: self.calibrate(s) for rid, s in raw.items()}
         _, widths = self.plan(spec, ctx, ctx.plain_requests, surv)
-        chosen = [
-            max(widths[id(r)], self.probe_width if id(r) in self.probing else 1) for r in spec
-        ]
+        chosen = [widths[id(r)] for r in spec]
         n_req = len(spec) + ctx.plain_requests
         n_tok = sum(chosen) + ctx.plain_requests + ctx.other_tokens
         self.predicted_s = self.draft_s + ctx.cost.target_s(n_tok, n_req)
@@ -398,6 +402,24 @@ class CostPolicy(Policy):
         )
         self.planned = {id(r): raw[id(r)][: w - 1] for r, w in zip(spec, chosen, strict=True)}
         return torch.tensor(chosen)
+
+
+def probe_outcome(r: Request) -> tuple[int, int] | None:
+    """A shadow draft's answer, once the tokens ``r`` committed after it decide it: (draft slots
+    compared, drafts accepted) — the drafts that match those tokens up to the first miss are what
+    verifying the block would have accepted. None while undecided (no miss yet, the block not
+    all matched, the request not finished)."""
+    assert r.shadow is not None
+    start, drafts = r.shadow  # drafts[i] stands for output_ids[start + i]
+    got = r.output_ids[start : start + len(drafts)]
+    n = 0
+    while n < len(got) and got[n] == drafts[n]:
+        n += 1
+    if n < len(got):  # a miss at slot n + 1
+        return n + 1, n
+    if n == len(drafts) or r.finished:
+        return n, n
+    return None
 
 
 def rank_slots(

@@ -107,6 +107,9 @@ class Request:
     slot_ok: list[float] = field(default_factory=list)  # … and accepted (its profile)
     last_drafted: int = 0  # ``rounds`` when it last had drafts verified
     probe_gap: int = 0  # rounds between probes of the cost policy (0: its default)
+    # a probe's shadow draft awaiting its answer: (index in output_ids of the token its first
+    # draft stands for, the drafts); see policy.probe_outcome
+    shadow: tuple[int, list[int]] | None = None
     draft_ms: float = 0.0  # time of the drafter passes it was in (shared with its batch)
     verify_ms: float = 0.0  # time of the target passes that verified it
     drafter_version: str = ""

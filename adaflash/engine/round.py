@@ -2,6 +2,9 @@
 
     draft_block → verify_len → drafts → admission → verify (one packed pass) → accept → commit
 
+The policy's probes ride in the drafter pass as shadow drafts: drafted, never verified (their
+requests take a plain step); the engine checks them against the tokens committed later.
+
 ``speculative_round`` is the whole algorithm of a step. It keeps the state it must keep
 consistent — the target's KV cache and the drafter's context — and nothing else: it streams
 nothing and records nothing. The engine builds stop rules, streaming and records around its
@@ -81,7 +84,8 @@ class RoundResult:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     draft_failed: bool = False
-    drafted: int = 0  # requests the drafter ran for
+    drafted: int = 0  # requests the drafter ran for (shadow drafts included)
+    probes: int = 0  # … of them shadow drafts (the policy's probes: drafted, not verified)
     draft_context: int = 0  # context positions that drafter pass projected (catch-up)
     pass_tokens: int = 0  # tokens in the target pass
 
@@ -100,9 +104,10 @@ def speculative_round(
     t0 = time.perf_counter()
     # 1–3. draft_block, verify_len, drafts: one drafter pass for the requests the policy lets
     # draft (none: no drafter pass at all)
-    plans, res.draft_failed = draft(target, drafting, chosen, policy, ctx)
-    res.drafted = sum(1 for p in plans if p.drafted)
-    res.draft_context = sum(p.context for p in plans)
+    plans, probes, res.draft_failed = draft(target, drafting, chosen, policy, ctx)
+    res.probes = len(probes)
+    res.drafted = sum(1 for p in plans if p.drafted) + res.probes
+    res.draft_context = sum(p.context for p in plans) + sum(probes.values())
     t1 = time.perf_counter()
     # 4. admission: Σ k̂ under the verification budget; the rest wait for the next step
     fit = admission.pack([p.verify_len for p in plans])
@@ -156,49 +161,67 @@ def draft(
     reqs: list[Request],
     policy: Policy,
     ctx: PolicyContext,
-) -> tuple[list[Plan], bool]:
-    """Steps 1–3. A drafter failure costs this round its speculation, nothing more (those
-    requests take a plain step; their context is rebuilt from raw features next time)."""
+) -> tuple[list[Plan], dict[Request, int], bool]:
+    """Steps 1–3: the plans, the shadow drafts made (request → context positions its draft
+    projected first) and whether the drafter failed. A drafter failure costs this round its
+    speculation, nothing more (those requests take a plain step; their context is rebuilt from
+    raw features next time)."""
     plans = {id(r): Plan(r, 1, [], 0) for r in reqs}
     if drafting is not None:
         ctx.pending = lambda r: pending_context(drafting, r)
     ctx.requests = len(reqs)
     spec = policy.drafters([r for r in reqs if can_draft(r, drafting)], ctx)
+    probes = list(policy.probes)
     ctx.plain_requests = len(reqs) - len(spec)
+    made: dict[Request, int] = {}
     failed = False
-    if spec and drafting is not None:
+    if (spec or probes) and drafting is not None:
         try:
-            plans.update(draft_plans(target, drafting, spec, policy, ctx))
+            made = {r: pending_context(drafting, r) for r in probes}
+            plans.update(draft_plans(target, drafting, spec, probes, policy, ctx))
         except Exception:
             log.exception("drafter pass failed; these requests take a plain step")
-            failed = True
-            for r in spec:
-                r.draft_slot, r.ctx_version, r.ctx_len = -1, None, 0
-    return [plans[id(r)] for r in reqs], failed
+            failed, made = True, {}
+            for r in spec + probes:
+                r.draft_slot, r.ctx_version, r.ctx_len, r.shadow = -1, None, 0, None
+    return [plans[id(r)] for r in reqs], made, failed
 
 
 def draft_plans(
-    target: TargetModel, d: Drafting, spec: list[Request], policy: Policy, ctx: PolicyContext
+    target: TargetModel,
+    d: Drafting,
+    spec: list[Request],
+    probes: list[Request],
+    policy: Policy,
+    ctx: PolicyContext,
 ) -> dict[int, Plan]:
+    """One drafter pass over ``spec`` (plans to verify) and ``probes`` (their whole blocks kept
+    as ``Request.shadow``, not verified)."""
     k = d.drafter.cfg.block_size
     catch_up = {id(r): pending_context(d, r) for r in spec}
+    both = spec + probes
     # 1. draft_block: [anchor, mask_token_id × (k−1)] at positions p … p+k−1
-    block_ids = torch.full((len(spec), k), d.drafter.cfg.mask_token_id)
-    block_ids[:, 0] = torch.tensor([r.anchor for r in spec])
-    positions = torch.tensor([r.anchor_pos for r in spec])[:, None] + torch.arange(k)
-    context = BatchedContext.stack([drafter_context(d, r) for r in spec])
+    block_ids = torch.full((len(both), k), d.drafter.cfg.mask_token_id)
+    block_ids[:, 0] = torch.tensor([r.anchor for r in both])
+    positions = torch.tensor([r.anchor_pos for r in both])[:, None] + torch.arange(k)
+    context = BatchedContext.stack([drafter_context(d, r) for r in both])
     with torch.inference_mode():
         block = target.embed_tokens(block_ids.to(target.device))  # (B, k, H)
         states = d.drafter.draft_states(block, positions, context)  # (B, k, H)
+        mine, shadow = states[: len(spec)], states[len(spec) :]
+        for r, block in zip(probes, propose(target, d, probes, shadow, k), strict=True):
+            r.shadow = (len(r.output_ids), block)
+        if not spec:
+            return {}
         # 2. verify_len: k̂ per request (policy), never beyond the tokens still allowed
-        a_hat = d.drafter.length_head(states) if policy.uses_head else None  # (B,)
+        a_hat = d.drafter.length_head(mine) if policy.uses_head else None  # (B,)
         k_hat = policy.widths(spec, a_hat, ctx).clamp(1, k)
         k_hat = torch.minimum(k_hat, torch.tensor([r.tokens_left for r in spec]))
         # 3. drafts: argmax over the draft vocabulary on the mask slots to be verified
         if d.propose is not None:
-            drafts, k_hat = d.propose(spec, states, k_hat)
+            drafts, k_hat = d.propose(spec, mine, k_hat)
         else:
-            drafts = draft_tokens(target, d.drafter, states, int(k_hat.max()) - 1)
+            drafts = draft_tokens(target, d.drafter, mine, int(k_hat.max()) - 1)
     return {
         id(r): Plan(
             r,
@@ -210,6 +233,17 @@ def draft_plans(
         )
         for i, r in enumerate(spec)
     }
+
+
+def propose(
+    target: TargetModel, d: Drafting, reqs: list[Request], states: torch.Tensor, k: int
+) -> list[list[int]]:
+    """The whole block's drafts (k − 1 each) from drafter states (B, k, H)."""
+    if not reqs:
+        return []
+    if d.propose is not None:
+        return d.propose(reqs, states, torch.full((len(reqs),), k))[0]
+    return draft_tokens(target, d.drafter, states, k - 1)
 
 
 def draft_tokens(

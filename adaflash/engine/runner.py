@@ -156,6 +156,9 @@ class EngineRunner:
             "plain_steps_measured_s": st.measured_plain_s,
             "drafting_tokens_expected": st.expected_drafting_tokens,
             "drafting_tokens_realised": st.realised_drafting_tokens,
+            "probes": st.probes,
+            "probe_slots_compared": st.probe_slots,
+            "probe_slots_accepted": st.probe_accepted,
         }
 
     def compiled_decode(self) -> tuple[str, int]:

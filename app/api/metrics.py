@@ -105,7 +105,8 @@ class EngineCollector:
                     "adaflash_policy_check",
                     "the cost policy's plans against what happened, summed over steps: "
                     "predicted and measured seconds of drafting and plain steps, expected and "
-                    "realised tokens of drafting steps",
+                    "realised tokens of drafting steps, its probes (shadow drafts) and the draft "
+                    "slots they compared and found accepted",
                     labels=["term"],
                 ),
                 check,

@@ -236,3 +236,4 @@ def test_cost_model_moves_with_real_steps_and_is_exported(api):
     text = client.get("/metrics").text
     assert 'adaflash_cost_estimate{term="target_per_token_ms"}' in text
     assert 'adaflash_policy_check_total{term="drafting_tokens_expected"}' in text
+    assert 'adaflash_policy_check_total{term="probes"}' in text

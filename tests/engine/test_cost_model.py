@@ -5,7 +5,14 @@ import torch
 from adaflash.config import SamplingParams
 from adaflash.cost_model import PLAIN_REFRESH, CostModel
 from adaflash.engine import policy as policy_module
-from adaflash.engine.policy import PROBE_SHARE, PROBE_START_S, CostPolicy, PolicyContext
+from adaflash.engine.policy import (
+    PROBE_REQUESTS,
+    PROBE_SHARE,
+    PROBE_START_S,
+    CostPolicy,
+    PolicyContext,
+    probe_outcome,
+)
 from adaflash.engine.request import Request
 
 
@@ -162,16 +169,35 @@ def test_failed_probes_back_off_for_the_drafter_and_new_requests_inherit_the_gap
     probes = 0
     for rnd in range(1, 200):
         r.rounds = rnd
-        chosen = policy.drafters([r], ctx)
-        if chosen:  # a probe: verified, finds nothing
+        assert policy.drafters([r], ctx) == []  # nothing verified: a probe is a shadow draft
+        if policy.probes == [r]:  # its first draft missed
             probes += 1
-            policy.observe(r, 4, 0, k)
+            policy.observe_probe(r, 1, 0, k)
     assert 3 <= probes <= 6  # gaps 4, 8, 16, 32, 64, 128: backing off, not every 4 rounds
     late = req(1)  # a request that arrives now starts from the drafter's long gap
     late.rounds = 40
-    assert policy.drafters([late], ctx) == []
+    assert policy.drafters([late], ctx) == [] and policy.probes == []
     policy.reset()  # a new drafter version: probe soon again
     assert policy.probe_gap == 4
+
+
+def test_a_shadow_draft_is_answered_by_the_tokens_committed_after_it():
+    """A probe's drafts stand for the tokens the request commits next: matched up to the first
+    miss is what verifying them would have accepted; undecided until a miss, the whole block
+    matched, or the request's end."""
+    r = req(0)  # output [5]: the probe drafted at anchor 5 for output indices 1, 2, 3
+    r.shadow = (1, [7, 8, 9])
+    assert probe_outcome(r) is None  # nothing committed since
+    r.output_ids += [7]
+    assert probe_outcome(r) is None  # right so far
+    r.output_ids += [8, 4]
+    assert probe_outcome(r) == (3, 2)  # a miss at the third draft: two accepted
+    r.output_ids = [5, 4, 8, 9]
+    assert probe_outcome(r) == (1, 0)  # a miss at the first (later agreement counts for nothing)
+    r.output_ids = [5, 7, 8, 9, 1]
+    assert probe_outcome(r) == (3, 3)  # the whole block
+    r.output_ids, r.finish_reason = [5, 7], "length"
+    assert probe_outcome(r) == (1, 1)  # the request ended after one token, which matched
 
 
 def test_the_lone_probe_waits_for_the_gap_and_goes_to_the_least_context_to_catch_up():
@@ -186,7 +212,30 @@ def test_the_lone_probe_waits_for_the_gap_and_goes_to_the_least_context_to_catch
     ctx = PolicyContext(
         k, 1.0, plain_cost(), budget=512, other_tokens=0, pending=lambda r: pending[id(r)]
     )
-    assert [policy.drafters([a, b], ctx) for _ in range(4)] == [[], [], [], [b]]
+    probes = []
+    for _ in range(4):  # at once (a new drafter is probed before anything is bet on it) …
+        assert policy.drafters([a, b], ctx) == []
+        probes.append(list(policy.probes))
+    assert probes == [[b, a], [], [], []]  # … cheapest first; then the gap
+    policy.probe_budget_s = 1e-3  # a budget for one probe more: the cheapest gets it
+    assert policy.drafters([a, b], ctx) == [] and policy.probes == [b]
+    b.shadow = (1, [7])  # while b's shadow draft awaits its answer, b is not probed again
+    policy.idle_steps, policy.probe_budget_s = policy.probe_gap, 1e-3
+    assert policy.drafters([a, b], ctx) == [] and policy.probes == [a]
+
+
+def test_a_pass_of_probes_that_all_find_nothing_backs_off_once():
+    k = 8
+    policy = CostPolicy(k, probe_every=4)
+    ctx = PolicyContext(k, 1.0, plain_cost(), budget=512, other_tokens=0)
+    reqs = [req(i) for i in range(6)]
+    assert policy.drafters(reqs, ctx) == []
+    probes = list(policy.probes)
+    assert 2 <= len(probes) <= PROBE_REQUESTS
+    for r in probes:
+        policy.observe_probe(r, 1, 0, k)
+    assert policy.probe_gap == 8  # doubled once, not once per probe
+    assert all(r.probe_gap == 8 for r in probes)  # each request's own gap doubled too
 
 
 def lone_probe_share(drafter_s: float, steps: int = 20_000) -> tuple[float, int, float]:
@@ -201,21 +250,22 @@ def lone_probe_share(drafter_s: float, steps: int = 20_000) -> tuple[float, int,
     ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
     r = req(0)
     plain_s = cost.target_s(1, 1)
-    probe_s = policy.probe_s(r, 1, plain_s, ctx)
+    probe_s = cost.drafter_s(1)  # a probe: a drafter pass beside the plain step
     probes = 0
     for rnd in range(steps):
         r.rounds = rnd
-        if policy.drafters([r], ctx):
+        policy.drafters([r], ctx)
+        if policy.probes:
             probes += 1
-            policy.observe(r, 4, 0, k)
+            policy.observe_probe(r, 1, 0, k)
     return probes * probe_s / (steps * plain_s), probes, probe_s
 
 
 def test_lone_probes_cost_at_most_their_share_of_serving_time(monkeypatch):
-    """Compiled plain steps are cheap next to a probe's drafter pass and wider verification:
-    the gap alone (at most 256 steps) lets probes take several percent of the time; the budget
-    holds them to PROBE_SHARE, after the start's PROBE_START_S and one probe of debt — also
-    when one probe costs more than the budget's cap."""
+    """Compiled plain steps are cheap next to a probe's drafter pass: the gap alone (at most
+    256 steps) lets probes take several percent of the time; the budget holds them to
+    PROBE_SHARE, after the start's PROBE_START_S and one probe of debt — also when one probe
+    costs more than the budget's cap."""
     serving = 20_000 * 0.0105
     for drafter_s in (0.2, 0.6):  # 0.6 s: more than PROBE_START_S
         share, probes, probe_s = lone_probe_share(drafter_s)
@@ -228,9 +278,9 @@ def test_lone_probes_cost_at_most_their_share_of_serving_time(monkeypatch):
 
 def test_probes_that_ride_along_spend_the_budget_they_add():
     """One request drafts in a step of 16 and the 15 others are due a probe: each that joins
-    adds a request to the drafter pass and three tokens to the target pass, so they join while
-    the budget lasts, not all at once (an eager step of 16 in which all drafted cost 3.3× a
-    plain one); with the budget spent, only the request that pays drafts."""
+    adds a request to the drafter pass (not to the target pass: a shadow draft is not
+    verified), so they join while the budget lasts, not all at once; with the budget spent,
+    only the request that pays drafts."""
     k, n = 8, 16
     cost = CostModel()
     for _ in range(10):
@@ -238,7 +288,7 @@ def test_probes_that_ride_along_spend_the_budget_they_add():
         for extra in (1, 8, 32, 48):  # a mixed pass: 5 ms per verified token
             cost.observe_target(n + extra, n, 0.200 + 0.005 * extra)
         for d in (1, 4, 16):
-            cost.observe_drafter(d, 0.010 + 0.020 * d)
+            cost.observe_drafter(d, 0.010 + 0.020 * d)  # 20 ms a request
     policy = CostPolicy(k, probe_every=4)
     ctx = PolicyContext(k, 1.0, cost, budget=16 * n, other_tokens=0)
     good, others = req(0), [req(i) for i in range(1, n)]
@@ -248,13 +298,16 @@ def test_probes_that_ride_along_spend_the_budget_they_add():
         for _ in range(5):  # their drafts failed: drafting them does not pay …
             policy.observe(r, 4, 0, k)
         r.rounds = 20  # … and it was a while ago: every one is due a probe
-    spec = policy.drafters([good, *others], ctx)
-    riders = [r for r in spec if r is not good]
-    assert spec[0] is good and 2 <= len(riders) <= 10, len(riders)
+    assert policy.drafters([good, *others], ctx) == [good]
+    riders = list(policy.probes)
+    assert 2 <= len(riders) <= PROBE_START_S / 0.020 + 1 < len(others), len(riders)
+    assert good not in riders
     assert policy.probe_budget_s <= 0
+    assert policy.draft_s >= cost.drafter_s(1 + len(riders))  # the pass they ride in
     for r in riders:  # their probes found nothing
-        policy.observe(r, policy.probe_width, 0, k)
-    assert policy.drafters([good, *others], ctx) == [good]  # the rest wait for the budget
+        policy.observe_probe(r, 1, 0, k)
+    assert policy.drafters([good, *others], ctx) == [good]
+    assert policy.probes == []  # the rest wait for the budget
 
 
 def test_a_new_drafter_version_is_probed_at_once_again():
@@ -264,11 +317,15 @@ def test_a_new_drafter_version_is_probed_at_once_again():
     r = req(0)
     for rnd in range(2000):  # probes that find nothing: the gap and the budget run down
         r.rounds = rnd
-        if policy.drafters([r], ctx):
-            policy.observe(r, 4, 0, k)
+        policy.drafters([r], ctx)
+        if policy.probes:
+            policy.observe_probe(r, 1, 0, k)
+    policy.drafters([r], ctx)
+    assert policy.probes == []  # backed off
     policy.reset()
-    r.rounds += 4
-    assert [policy.drafters([r], ctx) for _ in range(4)][-1] == [r]
+    r.rounds += 1
+    policy.drafters([r], ctx)
+    assert policy.probes == [r]  # at the first step
 
 
 def test_short_lived_requests_still_probe_and_a_good_drafter_is_noticed():
@@ -288,8 +345,10 @@ def test_short_lived_requests_still_probe_and_a_good_drafter_is_noticed():
     for step in range(300):  # a new one-round request every step
         r = req(step)
         chosen = policy.drafters([r], ctx)
-        probes += bool(chosen) and id(r) in policy.probing
-        if chosen:  # the drafter has become perfect: everything verified is accepted
+        if policy.probes:  # the drafter has become perfect: its whole block matches …
+            probes += 1
+            policy.observe_probe(r, k - 1, k - 1, k)
+        if chosen:  # … and everything verified is accepted
             w = int(policy.widths(chosen, None, ctx)[0])
             policy.observe(r, w, w - 1, k)
         drafted.append(bool(chosen))

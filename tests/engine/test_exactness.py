@@ -1,10 +1,15 @@
 """Greedy speculative output equals Hugging Face ``generate(do_sample=False)`` in fp32."""
 
+import copy
+
 import pytest
 import torch
 
 from adaflash.config import EngineConfig, SamplingParams
+from adaflash.engine import policy as policy_module
 from adaflash.engine.engine import Engine
+from adaflash.engine.policy import CostPolicy
+from adaflash.engine.request import Request
 from tests.engine.conftest import random_drafter
 from tests.engine.oracle import OracleEngine, PinnedCost, from_references
 
@@ -56,15 +61,61 @@ def test_greedy_matches_hf_generate(tiny, references, policy, drafter_kind):
         assert 0 < c.acceptance_rate < 1
     if policy == "head":
         assert c.verify_len < 16  # the head chose shorter blocks than the fixed k
-    if policy == "cost":  # every width happened: plain steps (no draft) and verified drafts
-        assert c.rounds > c.slot_verified[0] > 0
-        # and the engine checked the policy's predicted step times against measured ones
+    if policy == "cost":
         st = engine.stats
+        # the engine checked the policy's predicted step times against measured ones, and the
+        # tokens it expected of steps with a drafter pass against what they committed
         assert st.predicted_drafting_s > 0 and st.measured_drafting_s > 0
-        # … and its expected tokens of those steps against what they committed
         assert st.expected_drafting_tokens > 0 and st.realised_drafting_tokens > 0
-        if drafter_kind == "random":  # (the oracle's drafts always pay: it drafts every step)
+        assert st.probes > 0 and st.probe_slots >= st.probes  # probed first, probes answered
+        if drafter_kind == "oracle":  # every width happened: plain steps and verified drafts
+            assert c.rounds > c.slot_verified[0] > 0
+        else:  # drafts that are never right: probed, never verified, every step a plain one
+            assert st.probe_accepted == 0 and c.slot_verified[0] == 0
             assert st.predicted_plain_s > 0 and st.measured_plain_s > 0
+
+
+def test_probes_are_shadow_drafts_answered_by_what_the_target_commits(
+    tiny, references, monkeypatch
+):
+    """A probe's drafts are never verified (every step stays a plain one) and its answer is
+    what verifying them would have accepted: the drafts here are the target's own greedy
+    continuation corrupted at slots known beforehand (``OracleEngine``), so each probe's
+    answer is known too."""
+    monkeypatch.setattr(policy_module, "PROBE_START_S", 1e9)  # the gap alone paces probes
+    _, target, _ = tiny
+    cfg = EngineConfig(policy="cost", max_batch_tokens=40, max_prefill_tokens=8)
+    engine = OracleEngine(
+        target, random_drafter(target), cfg, continuation=from_references(references)
+    )
+    engine.cost = PinnedCost()
+    engine.cost.drafter.pin([1.0, 0.0, 0.0])  # a drafter pass costs 25 steps: never pays
+    engine._policy = CostPolicy(engine.block_size, probe_every=4)
+    answers: list[tuple[int, int, int, int]] = []
+    answer = engine._answer_probe
+
+    def spy(r: Request) -> None:  # (anchor position, output index, compared, accepted)
+        shadow, st = r.shadow, copy.copy(engine.stats)
+        answer(r)
+        if r.shadow is None and engine.stats.probes > st.probes:
+            assert shadow is not None
+            compared, accepted = (
+                engine.stats.probe_slots - st.probe_slots,
+                engine.stats.probe_accepted - st.probe_accepted,
+            )
+            answers.append((len(r.prompt_ids) + shadow[0] - 1, shadow[0], compared, accepted))
+
+    engine._answer_probe = spy  # type: ignore[method-assign]
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
+    assert engine.counters.verify_len == 1.0  # nothing verified: every step a plain one
+    assert len(answers) >= 5 and engine.stats.probes == len(answers)
+    for pos, start, compared, accepted in answers:
+        miss = next(i for i in range(1, 16) if (pos * 31 + i * 17) % 7 == 0)  # corrupted slot
+        left = NEW - start  # tokens the request committed after the probe
+        assert (compared, accepted) == ((miss, miss - 1) if miss <= left else (left, left))
+    assert any(accepted > 3 for *_, accepted in answers)  # whole runs measured, not 3 slots
 
 
 def test_budget_defers_and_chunked_prefill_stay_exact(tiny, references):
