@@ -42,13 +42,19 @@ steps instead.
 Every run is a fresh engine, but its cost model and its policy's engine-wide acceptance profile
 carry over between the runs of the same (drafter, method, concurrency), across repeats and
 domains, as in a server that has been up for a while (``--cold``: every run starts cold). Each
-(domain, C) cell runs its methods ``--repeats`` times, interleaved (rep 1: ar, hf, head, cost, …;
-rep 2: the same order rotated, …), so slow phases of a shared machine hit every method alike. A
-row keeps the median, min and max tokens/s; ``speedup`` = median ÷ median ``ar`` of the cell,
-and ``speedup_min``/``speedup_max`` are the worst and best pairings (min ÷ max ``ar``, max ÷
-min ``ar``). ``paired`` = the median over repeats of run ÷ the same repeat's ``ar`` run (with
-its min and max): a slow spell that lasts a repeat cancels out of it, so it is the sharper
-estimate where the machine drifts; criterion (a) reads it. ``table.md`` ends with pass/fail
+(domain, C) cell runs its methods ``--repeats`` times. The engine methods of a repeat run side
+by side in one process, one step each in turn, each timed on its own steps (``run_lockstep``):
+a slow phase of a shared machine then lands on every method alike, step by step; the peers
+(``hf``, ``llamacpp``) run on their own before or after that block, in rotated order, and the
+oracles' answer key comes from an untimed ``ar`` run of the cell first. ``--sequential``: each
+method's run on its own, interleaved instead (rep 1: ar, hf, head, cost, …; rep 2: the same
+order rotated, …), as the runs before 2026-12-03 were. A row keeps the median, min and max
+tokens/s; ``speedup`` = median ÷ median ``ar`` of the cell, and ``speedup_min``/``speedup_max``
+are the worst and best pairings (min ÷ max ``ar``, max ÷ min ``ar``). ``paired`` = the median
+over repeats of run ÷ the same repeat's ``ar`` run (with its min and max): a slow spell that
+lasts a repeat cancels out of it, so it is the sharper estimate where the machine drifts;
+criterion (a) reads it. ``cost`` rows add the seconds of its steps that ran the drafter and of
+its plain ones, its probes (shadow drafts) and their hit rate. ``table.md`` ends with pass/fail
 criteria computed from the rows (``criteria``).
 ``--study both`` runs both studies.
 
@@ -67,6 +73,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +86,7 @@ from adaflash.cost_model import CostModel
 from adaflash.distill import simulate_acceptance
 from adaflash.engine import policy as policies
 from adaflash.engine.engine import Engine
+from adaflash.engine.records import RequestRecord
 from adaflash.engine.request import Request
 from adaflash.engine.round import Propose, draft_tokens
 from adaflash.hardware import cpu_info
@@ -181,7 +189,48 @@ class Setup:
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
     t0 = time.perf_counter()
     recs = engine.generate(prompts, params)
-    wall = time.perf_counter() - t0
+    return engine_result(engine, prompts, recs, time.perf_counter() - t0)
+
+
+def run_lockstep(
+    engines: dict[Key, Engine], prompts: list[list[int]], params: SamplingParams
+) -> dict[Key, dict]:
+    """The engines serve the same prompts side by side, one step each in turn, each timed on
+    its own steps only: a slow spell of the machine lands on all of them alike, at the
+    granularity of a step, not of a run (runs one after another, ±10–20% apart on a shared
+    host, could not separate a 3% difference in three repeats)."""
+    done: dict[Key, dict[str, RequestRecord]] = {key: {} for key in engines}
+    ids = {
+        key: [e.add_request(p, params, on_finish=finisher(done[key])) for p in prompts]
+        for key, e in engines.items()
+    }
+    spent = dict.fromkeys(engines, 0.0)
+    live = list(engines)
+    while live:
+        for key in list(live):
+            e = engines[key]
+            t0 = time.perf_counter()
+            stepped = e.step()
+            spent[key] += time.perf_counter() - t0
+            if len(done[key]) == len(prompts) or not (stepped or e.has_work):
+                live.remove(key)
+    return {
+        key: engine_result(e, prompts, [done[key][i] for i in ids[key]], spent[key])
+        for key, e in engines.items()
+    }
+
+
+def finisher(done: dict[str, RequestRecord]) -> Callable[[RequestRecord], None]:
+    def finish(rec: RequestRecord) -> None:
+        done[rec.request_id] = rec
+
+    return finish
+
+
+def engine_result(
+    engine: Engine, prompts: list[list[int]], recs: list[RequestRecord], wall: float
+) -> dict:
+    """One run's figures: ``wall`` the seconds the engine's own steps took."""
     c, st = engine.counters, engine.stats
     return {
         "tokens_per_s": st.output_tokens / wall,
@@ -193,6 +242,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams)
             "plain": (st.predicted_plain_s, st.measured_plain_s),
             # its steps that drafted: tokens it expected of them against tokens they committed
             "tokens": (st.expected_drafting_tokens, st.realised_drafting_tokens),
+            # its probes (shadow drafts): how many, draft slots they compared, found accepted
+            "probes": (st.probes, st.probe_slots, st.probe_accepted),
         },
         "_outputs": {tuple(p): list(r.output_ids) for p, r in zip(prompts, recs, strict=True)},
     }
@@ -406,15 +457,23 @@ def run_method(
     drafters: dict[str, DFlashDrafter],
 ) -> dict:
     """One run of one method of the policy study (a fresh engine)."""
-    name, method = key
+    method = key[1]
     if method == "hf":
         return run_hf(s.hf, prompts, c, s.args.max_new_tokens, s.eos[0], s.eos, False)
     if method == "llamacpp":
         return run_llamacpp(s.llama, prompts, c, s.args.max_new_tokens)
+    return run_engine(method_engine(s, key, c, ar_ref, drafters), prompts, s.params)
+
+
+def method_engine(
+    s: Setup, key: Key, c: int, ar_ref: Refs, drafters: dict[str, DFlashDrafter]
+) -> Engine:
+    """A fresh engine for one run of an engine method (its warm state carried over)."""
+    name, method = key
     cfg = cell_config(ENGINE_POLICY[method], c)
     eos = tuple(s.eos)
     if name is None:
-        return run_engine(Engine(s.target, None, cfg, eos_token_ids=eos), prompts, s.params)
+        return Engine(s.target, None, cfg, eos_token_ids=eos)
     d = drafters[name]
     if name == "oracle":
         engine: Engine = OracleDrafterEngine(s.target, d, cfg, eos_token_ids=eos, references=ar_ref)
@@ -425,7 +484,7 @@ def run_method(
     if not s.args.cold:  # warm: what this method learned in its earlier runs at this C
         state = s.warm.setdefault((name, method, c), (engine.cost, engine._policy))
         engine.cost, engine._policy = state
-    return run_engine(engine, prompts, s.params)
+    return engine
 
 
 def policy_cell(
@@ -435,23 +494,40 @@ def policy_cell(
     ar_ref: Refs,
     drafters: dict[str, DFlashDrafter],
 ) -> dict[Key, list[dict]]:
-    """Every method of one (domain, C) cell, ``--repeats`` times, interleaved.
+    """Every method of one (domain, C) cell, ``--repeats`` times (module docstring: in
+    lockstep, or interleaved with ``--sequential``).
 
     The oracles' answer key is the cell's own ``ar`` output: in bf16 a batch-16 eager reference
     and a batch-1 compiled step can round a near-tie differently, and an oracle drafter that
     follows a continuation the target no longer produces stops being an oracle."""
     plan = policy_plan(list(drafters), with_hf=not s.args.no_hf, with_llama=s.llama is not None)
     runs: dict[Key, list[dict]] = {key: [] for key in plan}
+    if s.args.sequential:
+        for rep in range(s.args.repeats):
+            for key in rotated(plan, rep, s.args.repeats):
+                run = run_method(s, key, prompts, c, ar_ref, drafters)
+                runs[key].append(run)
+                if key == (None, "ar"):  # the answer key as this C computes it (docstring)
+                    ar_ref = {**ar_ref, **run["_outputs"]}
+        return runs
+    # lockstep: the engine methods side by side (``run_lockstep``), the peers in runs of their
+    # own before or after them; the answer key from an untimed ``ar`` run first
+    ar_ref = {**ar_ref, **run_method(s, (None, "ar"), prompts, c, ar_ref, drafters)["_outputs"]}
+    peers = [key for key in plan if key[1] in ("hf", "llamacpp")]
+    together = [key for key in plan if key not in peers]
+    blocks: list[Key | None] = [None, *peers]  # None: the lockstep block
     for rep in range(s.args.repeats):
-        for key in rotated(plan, rep, s.args.repeats):
-            run = run_method(s, key, prompts, c, ar_ref, drafters)
-            runs[key].append(run)
-            if key == (None, "ar"):  # the answer key as this C computes it (docstring)
-                ar_ref = {**ar_ref, **run["_outputs"]}
+        for block in rotated(blocks, rep, s.args.repeats):  # type: ignore[arg-type]
+            if block is not None:
+                runs[block].append(run_method(s, block, prompts, c, ar_ref, drafters))
+                continue
+            engines = {key: method_engine(s, key, c, ar_ref, drafters) for key in together}
+            for key, run in run_lockstep(engines, prompts, s.params).items():
+                runs[key].append(run)
     return runs
 
 
-def rotated(plan: list[Key], rep: int, repeats: int) -> list[Key]:
+def rotated(plan: list, rep: int, repeats: int) -> list:
     """The order of repeat ``rep``: the plan rotated by an even share per repeat, so that no
     method always runs first, or always right after the same one (a slow spell of the machine
     then lands on different methods; the first repeat keeps ``ar`` first for the oracles)."""
@@ -491,6 +567,7 @@ def policy_rows(domain: str, c: int, runs: dict[Key, list[dict]]) -> list[dict]:
             "speedup_max": round(speedup(hi, ar_min), 3),
             **paired(reps, ar_reps),
             "output_tokens": reps[0]["output_tokens"],
+            "seconds": round(sum(r["output_tokens"] / r["tokens_per_s"] for r in reps), 3),
         }
         pricing = [r["_pricing"] for r in reps if "_pricing" in r]
         if method == "cost" and pricing:  # how well it priced its steps: Σ predicted ÷ Σ measured
@@ -504,6 +581,11 @@ def policy_rows(domain: str, c: int, runs: dict[Key, list[dict]]) -> list[dict]:
             realised = sum(p["tokens"][1] for p in pricing if "tokens" in p)
             if realised > 0:
                 row["drafting_tokens_expected_over_realised"] = round(expected / realised, 3)
+            probes = [p["probes"] for p in pricing if "probes" in p]
+            row["probes"] = sum(n for n, _, _ in probes)
+            slots = sum(s for _, s, _ in probes)
+            if slots:
+                row["probe_hit_rate"] = round(sum(a for *_, a in probes) / slots, 4)
         if drafter is not None:
             row["accept_len"] = round(statistics.median(r["accept_len"] for r in reps), 4)
             row["verify_len"] = round(statistics.median(r["verify_len"] for r in reps), 4)
@@ -687,7 +769,10 @@ def engine_knobs(block_size: int) -> dict:
         "block_size": block_size,
         "cost_policy": {
             "probe_every": cost.probe_every,
-            "probe_width": cost.probe_width,
+            "probe_requests": policies.PROBE_REQUESTS,
+            "probe_share": policies.PROBE_SHARE,
+            "probe_start_s": policies.PROBE_START_S,
+            "start_profile": policies.START,
             "decay": policies.DECAY,
             "max_probe_gap": policies.MAX_PROBE_GAP,
             "prior_weight": policies.PRIOR_WEIGHT,
@@ -870,8 +955,14 @@ def policy_markdown(result: dict) -> str:
         "",
         f"{result['date']}, {m['platform']}, torch {m['torch']}, {a['prompts']} prompts "
         f"(C prompts where C is larger) × {a['max_new_tokens']} tokens per domain, greedy, "
-        f"{a['dtype']}, {m['torch_threads']} torch thread(s), {a['repeats']} interleaved "
-        f"repeats per cell, domains {', '.join(domains)}. " + a.get("note", ""),
+        f"{a['dtype']}, {m['torch_threads']} torch thread(s), {a['repeats']} repeats per cell "
+        + (
+            "(runs interleaved)"
+            if a.get("sequential", True)
+            else "(engine methods side by side, a step each in turn)"
+        )
+        + f", domains {', '.join(domains)}. "
+        + a.get("note", ""),
         "",
         "Cells: median speedup over `ar` averaged over domains / τ (average verify length).",
     ]
@@ -1012,7 +1103,7 @@ def parse_args() -> argparse.Namespace:
         "--repeats",
         type=int,
         default=None,
-        help="policy study: interleaved runs per cell (default 3, 2 with --quick)",
+        help="policy study: runs per cell and method (default 3, 2 with --quick)",
     )
     ap.add_argument("--seed", type=int, default=0, help="policy study: the weak drafter's seed")
     ap.add_argument(
@@ -1035,6 +1126,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument(
         "--no-compile", action="store_true", help="policy study: eager one-request steps"
+    )
+    ap.add_argument(
+        "--sequential",
+        action="store_true",
+        help="policy study: each method's run on its own, one after another (default: the "
+        "engine methods of a repeat side by side, a step each in turn; run_lockstep)",
     )
     ap.add_argument(
         "--cold",

@@ -121,6 +121,42 @@ def test_the_llamacpp_peer_row_runs_c_prompts_a_batch_and_reports_their_rate(
     assert (None, "llamacpp") not in compare.policy_plan(["weak"], with_hf=False)
 
 
+def test_lockstep_serves_each_engine_its_prompts_and_times_only_its_own_steps(
+    compare: ModuleType, tmp_path
+) -> None:
+    """Engines side by side, a step each in turn: each serves every prompt exactly as alone
+    (greedy, fp32: the target's own tokens), and each is timed on its own steps — a slow
+    engine does not slow the rate measured for the other."""
+    import time
+
+    from adaflash.config import EngineConfig, SamplingParams
+    from adaflash.engine.engine import Engine
+    from adaflash.models.target import load_target
+    from tests.engine.conftest import random_drafter
+    from tests.tiny import build_checkpoint
+
+    target = load_target(build_checkpoint(tmp_path, "llama", seed=11, layers=6), "float32")
+    prompts = [[5, 6, 7], [10, 11, 12, 13], [30]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    alone = Engine(target, None, EngineConfig(policy="ar")).generate(prompts, params)
+    slow = Engine(target, None, EngineConfig(policy="ar"))
+    step = slow.step
+
+    def slow_step() -> bool:
+        time.sleep(0.1)
+        return step()
+
+    slow.step = slow_step  # type: ignore[method-assign]
+    fixed = Engine(target, random_drafter(target), EngineConfig(policy="fixed"))
+    runs = compare.run_lockstep({(None, "ar"): slow, ("random", "fixed"): fixed}, prompts, params)
+    want = {tuple(p): list(a.output_ids) for p, a in zip(prompts, alone, strict=True)}
+    for run in runs.values():
+        assert run["output_tokens"] == 3 * 12 and run["_outputs"] == want
+    seconds = {key: run["output_tokens"] / run["tokens_per_s"] for key, run in runs.items()}
+    assert seconds[(None, "ar")] >= 0.1 * 12  # its own twelve or more steps, each slept
+    assert seconds[("random", "fixed")] < 0.1 * 12  # none of the other's sleeps
+
+
 def test_repeats_rotate_the_order_and_the_first_keeps_ar_first(compare: ModuleType) -> None:
     plan = compare.policy_plan(["shipped", "weak", "oracle"], with_hf=False)
     orders = [compare.rotated(plan, rep, 3) for rep in range(3)]
