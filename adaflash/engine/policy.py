@@ -359,7 +359,8 @@ class CostPolicy(Policy):
         passed = chosen + probes
         self.draft_s = ctx.cost.drafter_s(len(passed), sum(ctx.pending(r) for r in passed))
         if probes and not chosen:  # a plain step with a drafter pass beside it
-            self.predicted_s, self.expected_tokens = plain_s + self.draft_s, float(len(ready))
+            self.predicted_s = plain_s + self.draft_s
+            self.expected_tokens = float(ctx.requests or len(ready))  # one token each
         return chosen
 
     def ride_along(
