@@ -517,7 +517,7 @@ def policy_cell(
     together = [key for key in plan if key not in peers]
     blocks: list[Key | None] = [None, *peers]  # None: the lockstep block
     for rep in range(s.args.repeats):
-        for block in rotated(blocks, rep, s.args.repeats):  # type: ignore[arg-type]
+        for block in rotated(blocks, rep, s.args.repeats):
             if block is not None:
                 runs[block].append(run_method(s, block, prompts, c, ar_ref, drafters))
                 continue
