@@ -192,13 +192,17 @@ class CostPolicy(Policy):
     def observe_probe(self, r: Request, compared: int, accepted: int, block_size: int) -> None:
         # back off while probes find nothing, for this request and for the drafter (once per
         # probe pass: a pass of four that found nothing doubles the gap once)
-        launched, gap = self.launched.pop(id(r), (0, r.probe_gap or self.probe_gap))
+        launched, gap = self.launched.pop(id(r), (0, self.gap(r)))
         r.probe_gap = self.probe_every if accepted else min(2 * gap, MAX_PROBE_GAP)
         if accepted:
             self.probe_gap = self.probe_every
         elif launched > self.backed_off:
             self.probe_gap, self.backed_off = min(2 * self.probe_gap, MAX_PROBE_GAP), launched
         super().observe_probe(r, compared, accepted, block_size)
+
+    def gap(self, r: Request) -> int:
+        """Rounds between ``r``'s probes: its own, or the drafter's until it has one."""
+        return r.probe_gap or self.probe_gap
 
     def observe(self, r: Request, verify_len: int, accepted: int, block_size: int) -> None:
         planned = self.planned.pop(id(r), [])
@@ -339,7 +343,7 @@ class CostPolicy(Policy):
         self.probe_budget_s = min(self.probe_budget_s + PROBE_SHARE * plain_s, PROBE_START_S)
         idle = [r for r in order[best_n:] if r.shadow is None]  # none awaiting its answer
         if chosen:
-            due = [r for r in idle if r.rounds - r.last_drafted >= (r.probe_gap or self.probe_gap)]
+            due = [r for r in idle if r.rounds - r.last_drafted >= self.gap(r)]
             due.sort(key=ctx.pending)
             probes = self.ride_along(chosen, due, ctx)
         else:
@@ -353,7 +357,7 @@ class CostPolicy(Policy):
             self.probe_passes += 1
         for r in probes:  # its gap counts from now
             r.last_drafted = r.rounds
-            self.launched[id(r)] = (self.probe_passes, r.probe_gap or self.probe_gap)
+            self.launched[id(r)] = (self.probe_passes, self.gap(r))
         self.probes = probes
         # the drafter's pass, priced now: once it ran, nothing is pending
         passed = chosen + probes

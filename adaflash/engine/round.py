@@ -58,9 +58,10 @@ class Plan:
     req: Request
     verify_len: int  # k̂, anchor included
     drafts: list[int]  # k̂ − 1 draft tokens
-    drafted: int  # tokens the drafter proposed (k − 1, or 0 without a draft)
+    drafted: int  # tokens the drafter proposed to verify (k − 1, or 0 without a draft)
     a_hat: float | None = None
     context: int = 0  # context positions its draft projected first (catch-up since last draft)
+    shadow: bool = False  # a probe: in the drafter pass, its block kept in ``Request.shadow``
 
 
 @dataclass
@@ -85,7 +86,6 @@ class RoundResult:
     verify_ms: float = 0.0
     draft_failed: bool = False
     drafted: int = 0  # requests the drafter ran for (shadow drafts included)
-    probes: int = 0  # … of them shadow drafts (the policy's probes: drafted, not verified)
     draft_context: int = 0  # context positions that drafter pass projected (catch-up)
     pass_tokens: int = 0  # tokens in the target pass
 
@@ -104,10 +104,9 @@ def speculative_round(
     t0 = time.perf_counter()
     # 1–3. draft_block, verify_len, drafts: one drafter pass for the requests the policy lets
     # draft (none: no drafter pass at all)
-    plans, probes, res.draft_failed = draft(target, drafting, chosen, policy, ctx)
-    res.probes = len(probes)
-    res.drafted = sum(1 for p in plans if p.drafted) + res.probes
-    res.draft_context = sum(p.context for p in plans) + sum(probes.values())
+    plans, res.draft_failed = draft(target, drafting, chosen, policy, ctx)
+    res.drafted = sum(1 for p in plans if p.drafted or p.shadow)
+    res.draft_context = sum(p.context for p in plans)
     t1 = time.perf_counter()
     # 4. admission: Σ k̂ under the verification budget; the rest wait for the next step
     fit = admission.pack([p.verify_len for p in plans])
@@ -161,11 +160,9 @@ def draft(
     reqs: list[Request],
     policy: Policy,
     ctx: PolicyContext,
-) -> tuple[list[Plan], dict[Request, int], bool]:
-    """Steps 1–3: the plans, the shadow drafts made (request → context positions its draft
-    projected first) and whether the drafter failed. A drafter failure costs this round its
-    speculation, nothing more (those requests take a plain step; their context is rebuilt from
-    raw features next time)."""
+) -> tuple[list[Plan], bool]:
+    """Steps 1–3. A drafter failure costs this round its speculation, nothing more (those
+    requests take a plain step; their context is rebuilt from raw features next time)."""
     plans = {id(r): Plan(r, 1, [], 0) for r in reqs}
     if drafting is not None:
         ctx.pending = lambda r: pending_context(drafting, r)
@@ -173,18 +170,16 @@ def draft(
     spec = policy.drafters([r for r in reqs if can_draft(r, drafting)], ctx)
     probes = list(policy.probes)
     ctx.plain_requests = len(reqs) - len(spec)
-    made: dict[Request, int] = {}
     failed = False
     if (spec or probes) and drafting is not None:
         try:
-            made = {r: pending_context(drafting, r) for r in probes}
             plans.update(draft_plans(target, drafting, spec, probes, policy, ctx))
         except Exception:
             log.exception("drafter pass failed; these requests take a plain step")
-            failed, made = True, {}
+            failed = True
             for r in spec + probes:
                 r.draft_slot, r.ctx_version, r.ctx_len, r.shadow = -1, None, 0, None
-    return [plans[id(r)] for r in reqs], made, failed
+    return [plans[id(r)] for r in reqs], failed
 
 
 def draft_plans(
@@ -196,10 +191,10 @@ def draft_plans(
     ctx: PolicyContext,
 ) -> dict[int, Plan]:
     """One drafter pass over ``spec`` (plans to verify) and ``probes`` (their whole blocks kept
-    as ``Request.shadow``, not verified)."""
+    as ``Request.shadow``; their plans verify the anchor alone)."""
     k = d.drafter.cfg.block_size
-    catch_up = {id(r): pending_context(d, r) for r in spec}
     both = spec + probes
+    catch_up = {id(r): pending_context(d, r) for r in both}
     # 1. draft_block: [anchor, mask_token_id × (k−1)] at positions p … p+k−1
     block_ids = torch.full((len(both), k), d.drafter.cfg.mask_token_id)
     block_ids[:, 0] = torch.tensor([r.anchor for r in both])
@@ -209,10 +204,11 @@ def draft_plans(
         block = target.embed_tokens(block_ids.to(target.device))  # (B, k, H)
         states = d.drafter.draft_states(block, positions, context)  # (B, k, H)
         mine, shadow = states[: len(spec)], states[len(spec) :]
-        for r, block in zip(probes, propose(target, d, probes, shadow, k), strict=True):
-            r.shadow = (len(r.output_ids), block)
+        for r, row in zip(probes, propose(target, d, probes, shadow, k), strict=True):
+            r.shadow = (len(r.output_ids), row)
+        plans = {id(r): Plan(r, 1, [], 0, None, catch_up[id(r)], shadow=True) for r in probes}
         if not spec:
-            return {}
+            return plans
         # 2. verify_len: k̂ per request (policy), never beyond the tokens still allowed
         a_hat = d.drafter.length_head(mine) if policy.uses_head else None  # (B,)
         k_hat = policy.widths(spec, a_hat, ctx).clamp(1, k)
@@ -222,7 +218,7 @@ def draft_plans(
             drafts, k_hat = d.propose(spec, mine, k_hat)
         else:
             drafts = draft_tokens(target, d.drafter, mine, int(k_hat.max()) - 1)
-    return {
+    return plans | {
         id(r): Plan(
             r,
             int(k_hat[i]),
