@@ -198,7 +198,8 @@ def run_lockstep(
     """The engines serve the same prompts side by side, one step each in turn, each timed on
     its own steps only: a slow spell of the machine lands on all of them alike, at the
     granularity of a step, not of a run (runs one after another, ±10–20% apart on a shared
-    host, could not separate a 3% difference in three repeats)."""
+    host, could not separate a 3% difference in three repeats). Each turn starts one engine
+    further on, so none always steps first, or right after the same one."""
     done: dict[Key, dict[str, RequestRecord]] = {key: {} for key in engines}
     ids = {
         key: [e.add_request(p, params, on_finish=finisher(done[key])) for p in prompts]
@@ -206,8 +207,11 @@ def run_lockstep(
     }
     spent = dict.fromkeys(engines, 0.0)
     live = list(engines)
+    turn = 0
     while live:
-        for key in list(live):
+        turn += 1
+        start = turn % len(live)
+        for key in live[start:] + live[:start]:
             e = engines[key]
             t0 = time.perf_counter()
             stepped = e.step()

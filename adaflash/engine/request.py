@@ -110,6 +110,9 @@ class Request:
     # a probe's shadow draft awaiting its answer: (index in output_ids of the token its first
     # draft stands for, the drafts); see policy.probe_outcome
     shadow: tuple[int, list[int]] | None = None
+    # the cost policy's survival for it, as of one state of that policy's profiles:
+    # (that state's number, raw, calibrated); see CostPolicy.survival
+    survival: tuple[int, list[float], list[float]] | None = None
     draft_ms: float = 0.0  # time of the drafter passes it was in (shared with its batch)
     verify_ms: float = 0.0  # time of the target passes that verified it
     drafter_version: str = ""

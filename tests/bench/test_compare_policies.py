@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import pytest
@@ -126,7 +126,8 @@ def test_lockstep_serves_each_engine_its_prompts_and_times_only_its_own_steps(
 ) -> None:
     """Engines side by side, a step each in turn: each serves every prompt exactly as alone
     (greedy, fp32: the target's own tokens), and each is timed on its own steps — a slow
-    engine does not slow the rate measured for the other."""
+    engine does not slow the rate measured for the other — and the turns alternate who steps
+    first."""
     import time
 
     from adaflash.config import EngineConfig, SamplingParams
@@ -140,15 +141,21 @@ def test_lockstep_serves_each_engine_its_prompts_and_times_only_its_own_steps(
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     alone = Engine(target, None, EngineConfig(policy="ar")).generate(prompts, params)
     slow = Engine(target, None, EngineConfig(policy="ar"))
-    step = slow.step
-
-    def slow_step() -> bool:
-        time.sleep(0.1)
-        return step()
-
-    slow.step = slow_step  # type: ignore[method-assign]
     fixed = Engine(target, random_drafter(target), EngineConfig(policy="fixed"))
+    order: list[str] = []
+
+    def logged(name: str, step: Callable[[], bool], pause: float = 0.0) -> Callable[[], bool]:
+        def run() -> bool:
+            order.append(name)
+            time.sleep(pause)
+            return step()
+
+        return run
+
+    slow.step = logged("ar", slow.step, pause=0.1)  # type: ignore[method-assign]
+    fixed.step = logged("fixed", fixed.step)  # type: ignore[method-assign]
     runs = compare.run_lockstep({(None, "ar"): slow, ("random", "fixed"): fixed}, prompts, params)
+    assert order[:8] == ["fixed", "ar", "ar", "fixed"] * 2  # turn by turn, while both live
     want = {tuple(p): list(a.output_ids) for p, a in zip(prompts, alone, strict=True)}
     for run in runs.values():
         assert run["output_tokens"] == 3 * 12 and run["_outputs"] == want

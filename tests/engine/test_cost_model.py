@@ -67,6 +67,30 @@ def test_a_requests_profile_estimates_each_slots_acceptance_after_the_one_before
     assert w > 2 and policy.expected_tokens == 1 + sum(survival[: w - 1])
 
 
+def test_survival_is_kept_between_steps_and_follows_every_round_and_probe():
+    """A request's survival is computed once per state of the policy's profiles: any round or
+    probe — its own or another request's, which moves the engine-wide profile and the
+    calibration — makes every request's survival be computed afresh."""
+    k = 6
+    policy = CostPolicy(k)
+    mine, other = req(0), req(1)
+
+    def fresh(r: Request) -> list[float]:
+        r.survival = None  # what it is, computed now
+        return policy.survival(r, k)
+
+    first = policy.survival(other, k)
+    assert policy.survival(other, k) == first and other.survival is not None
+    policy.observe(mine, k, 3, k)  # another request's round: the engine-wide profile moves
+    moved = policy.survival(other, k)
+    assert moved != first and moved == fresh(other)
+    policy.observe_probe(other, 4, 4, k)  # its own probe
+    assert policy.survival(other, k) == fresh(other) != moved
+    raw = policy.survival(mine, k, calibrated=False)
+    mine.survival = None
+    assert policy.survival(mine, k, calibrated=False) == raw
+
+
 def test_cost_policy_drafts_only_when_it_pays():
     k = 8
     cost = CostModel()
