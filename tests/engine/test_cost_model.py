@@ -68,9 +68,10 @@ def test_a_requests_profile_estimates_each_slots_acceptance_after_the_one_before
 
 
 def test_survival_is_kept_between_steps_and_follows_every_round_and_probe():
-    """A request's survival is computed once per state of the policy's profiles: any round or
-    probe — its own or another request's, which moves the engine-wide profile and the
-    calibration — makes every request's survival be computed afresh."""
+    """A request's survival is computed once per state of the policy's profiles: a plain round
+    changes nothing; any verified round or probe — its own or another request's, which moves
+    the engine-wide profile and the calibration — makes every request's survival be computed
+    afresh."""
     k = 6
     policy = CostPolicy(k)
     mine, other = req(0), req(1)
@@ -80,7 +81,9 @@ def test_survival_is_kept_between_steps_and_follows_every_round_and_probe():
         return policy.survival(r, k)
 
     first = policy.survival(other, k)
-    assert policy.survival(other, k) == first and other.survival is not None
+    kept = other.survival
+    policy.observe(mine, 1, 0, k)  # a plain round measures nothing: what was kept holds
+    assert policy.survival(other, k) == first and other.survival is kept is not None
     policy.observe(mine, k, 3, k)  # another request's round: the engine-wide profile moves
     moved = policy.survival(other, k)
     assert moved != first and moved == fresh(other)
