@@ -56,6 +56,13 @@ lasts a repeat cancels out of it, so it is the sharper estimate where the machin
 criterion (a) reads it. ``cost`` rows add the seconds of its steps that ran the drafter and of
 its plain ones, its probes (shadow drafts) and their hit rate. ``table.md`` ends with pass/fail
 criteria computed from the rows (``criteria``).
+``--ignore-eos``: every reply runs to ``--max-new-tokens``, so every method does the same work.
+Without it, a speculative engine's bf16 graphs (they capture the drafter's layers) can round a
+near-tie differently from ``ar``'s, its replies end elsewhere, and a batch's rate moves with the
+tokens it happened to produce while its length is set by its longest reply: in the run of
+2026-12-03 on a Zen 3 EPYC, weak ``cost``'s paired rate followed its token count (chat C = 8: 716
+tokens against ``ar``'s 743, 0.95×; blend C = 4: 763 against 713, 1.05×; where the outputs were
+identical, at C = 1, 0.96–0.98×).
 ``--study both`` runs both studies.
 
     python bench/compare.py --quick                    # smoke check, < 10 min
@@ -261,8 +268,10 @@ def run_hf(
     pad_id: int,
     eos: list[int],
     lookup: bool,
+    ignore_eos: bool = False,
 ) -> dict:
-    """HF generate, ``concurrency`` prompts per call (left padding)."""
+    """HF generate, ``concurrency`` prompts per call (left padding); ``ignore_eos``: every reply
+    ``max_new`` tokens long."""
     tokens, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), concurrency):
         group = prompts[i : i + concurrency]
@@ -277,10 +286,13 @@ def run_hf(
                 max_new_tokens=max_new,
                 do_sample=False,
                 pad_token_id=pad_id,
-                eos_token_id=eos,
+                eos_token_id=None if ignore_eos else eos,
                 **kw,
             )
         for row in out[:, width:].tolist():
+            if ignore_eos:
+                tokens += len(row)
+                continue
             n = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
             tokens += n - (1 if row[n - 1] in eos else 0)
     return {"tokens_per_s": tokens / (time.perf_counter() - t0), "output_tokens": tokens}
@@ -386,9 +398,13 @@ def paper_domain(
             s.params,
         )
         results = {"ar": base}
-        results["hf"] = run_hf(s.hf, prompts, c, args.max_new_tokens, eos[0], eos, False)
+        results["hf"] = run_hf(
+            s.hf, prompts, c, args.max_new_tokens, eos[0], eos, False, args.ignore_eos
+        )
         if c == 1:
-            results["hf-pld"] = run_hf(s.hf, prompts, 1, args.max_new_tokens, eos[0], eos, True)
+            results["hf-pld"] = run_hf(
+                s.hf, prompts, 1, args.max_new_tokens, eos[0], eos, True, args.ignore_eos
+            )
         for m in SPEC_METHODS:
             d = drafters["adaflash" if m == "oracle" else m]
             policy: Policy = "head" if m == "adaflash" else "fixed"
@@ -463,7 +479,9 @@ def run_method(
     """One run of one method of the policy study (a fresh engine)."""
     method = key[1]
     if method == "hf":
-        return run_hf(s.hf, prompts, c, s.args.max_new_tokens, s.eos[0], s.eos, False)
+        return run_hf(
+            s.hf, prompts, c, s.args.max_new_tokens, s.eos[0], s.eos, False, s.args.ignore_eos
+        )
     if method == "llamacpp":
         return run_llamacpp(s.llama, prompts, c, s.args.max_new_tokens)
     return run_engine(method_engine(s, key, c, ar_ref, drafters), prompts, s.params)
@@ -958,7 +976,9 @@ def policy_markdown(result: dict) -> str:
         "## Policy study: verify width",
         "",
         f"{result['date']}, {m['platform']}, torch {m['torch']}, {a['prompts']} prompts "
-        f"(C prompts where C is larger) × {a['max_new_tokens']} tokens per domain, greedy, "
+        f"(C prompts where C is larger) × {a['max_new_tokens']} tokens per domain"
+        + (" (EOS ignored)" if a.get("ignore_eos") else "")
+        + ", greedy, "
         f"{a['dtype']}, {m['torch_threads']} torch thread(s), {a['repeats']} repeats per cell "
         + (
             "(runs interleaved)"
@@ -1123,6 +1143,12 @@ def parse_args() -> argparse.Namespace:
         help="policy study: leave out HF generate (bench/peers.py has it)",
     )
     ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every reply --max-new-tokens long: methods whose bf16 graphs round a near-tie "
+        "differently then still do the same work (module docstring)",
+    )
+    ap.add_argument(
         "--gguf",
         default=None,
         help="policy study: a llama.cpp GGUF of the target (BF16) for a peer row (the bench extra)",
@@ -1181,7 +1207,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, args.dtype))
-    s = Setup(target, tok, hf, eos, SamplingParams(max_new_tokens=args.max_new_tokens), args)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+    s = Setup(target, tok, hf, eos, params, args)
     args.engine = engine_knobs(shipped.cfg.block_size)
     study_paper, study_policies = (
         args.study in ("paper", "both"),

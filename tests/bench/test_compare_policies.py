@@ -121,6 +121,24 @@ def test_the_llamacpp_peer_row_runs_c_prompts_a_batch_and_reports_their_rate(
     assert (None, "llamacpp") not in compare.policy_plan(["weak"], with_hf=False)
 
 
+def test_hf_rows_run_every_reply_to_the_limit_when_eos_is_ignored(
+    compare: ModuleType, tmp_path
+) -> None:
+    """With every token an EOS, HF replies stop at once; ``ignore_eos`` runs each to the
+    limit (as the engines' ``SamplingParams.ignore_eos``), so every method does the same work."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import build_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(build_checkpoint(tmp_path, "llama", seed=3))
+    every = list(range(model.config.vocab_size))
+    prompts = [[5, 6, 7], [10, 11]]
+    stopped = compare.run_hf(model, prompts, 2, 6, 0, every, False)
+    assert stopped["output_tokens"] == 0  # each reply's first token ends it
+    full = compare.run_hf(model, prompts, 2, 6, 0, every, False, ignore_eos=True)
+    assert full["output_tokens"] == 2 * 6
+
+
 def test_lockstep_serves_each_engine_its_prompts_and_times_only_its_own_steps(
     compare: ModuleType, tmp_path
 ) -> None:
