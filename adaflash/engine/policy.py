@@ -224,9 +224,8 @@ class CostPolicy(Policy):
 
     def survival(self, r: Request, block_size: int, calibrated: bool = True) -> list[float]:
         """Π_{j≤i} a_j for slots i = 1 … k−1 of this request; ``calibrated``: as planned
-        (``calibrate``). Kept on the request until a round or probe changes a profile (every
-        step of 16 requests recomputed it: 0.23 ms a step, most of a plain step's policy time
-        where nobody drafts)."""
+        (``calibrate``). Kept on the request until a verified round or a probe changes a
+        profile (recomputed for 16 requests every step, it took 0.23 ms a step)."""
         kept = r.survival
         if kept is None or kept[0] != self.state or len(kept[1]) != block_size - 1:
             seen, ok = profile(r, block_size)
