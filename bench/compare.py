@@ -264,14 +264,14 @@ def run_hf(
     model,
     prompts: list[list[int]],
     concurrency: int,
-    max_new: int,
+    params: SamplingParams,
     pad_id: int,
     eos: list[int],
     lookup: bool,
-    ignore_eos: bool = False,
 ) -> dict:
-    """HF generate, ``concurrency`` prompts per call (left padding); ``ignore_eos``: every reply
-    ``max_new`` tokens long."""
+    """HF generate, ``concurrency`` prompts per call (left padding), greedy, to the engines'
+    ``params``: ``max_new_tokens`` and ``ignore_eos`` (every reply that long)."""
+    ignore_eos = params.ignore_eos
     tokens, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), concurrency):
         group = prompts[i : i + concurrency]
@@ -283,7 +283,7 @@ def run_hf(
             out = model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                max_new_tokens=max_new,
+                max_new_tokens=params.max_new_tokens,
                 do_sample=False,
                 pad_token_id=pad_id,
                 eos_token_id=None if ignore_eos else eos,
@@ -398,13 +398,9 @@ def paper_domain(
             s.params,
         )
         results = {"ar": base}
-        results["hf"] = run_hf(
-            s.hf, prompts, c, args.max_new_tokens, eos[0], eos, False, args.ignore_eos
-        )
+        results["hf"] = run_hf(s.hf, prompts, c, s.params, eos[0], eos, False)
         if c == 1:
-            results["hf-pld"] = run_hf(
-                s.hf, prompts, 1, args.max_new_tokens, eos[0], eos, True, args.ignore_eos
-            )
+            results["hf-pld"] = run_hf(s.hf, prompts, 1, s.params, eos[0], eos, True)
         for m in SPEC_METHODS:
             d = drafters["adaflash" if m == "oracle" else m]
             policy: Policy = "head" if m == "adaflash" else "fixed"
@@ -479,9 +475,7 @@ def run_method(
     """One run of one method of the policy study (a fresh engine)."""
     method = key[1]
     if method == "hf":
-        return run_hf(
-            s.hf, prompts, c, s.args.max_new_tokens, s.eos[0], s.eos, False, s.args.ignore_eos
-        )
+        return run_hf(s.hf, prompts, c, s.params, s.eos[0], s.eos, False)
     if method == "llamacpp":
         return run_llamacpp(s.llama, prompts, c, s.args.max_new_tokens)
     return run_engine(method_engine(s, key, c, ar_ref, drafters), prompts, s.params)
@@ -660,7 +654,7 @@ def warm_up(s: Setup, prompts: list[list[int]], drafters: dict[str, DFlashDrafte
     d = next(iter(drafters.values()))
     for policy in ("head", "cost"):
         Engine(s.target, d, cell_config(policy, 1), eos_token_ids=eos).generate(prompts[:1], params)
-    run_hf(s.hf, prompts[:1], 1, 8, s.eos[0], s.eos, False)
+    run_hf(s.hf, prompts[:1], 1, params, s.eos[0], s.eos, False)
 
 
 # -- criteria -----------------------------------------------------------------------------------

@@ -125,17 +125,19 @@ def test_hf_rows_run_every_reply_to_the_limit_when_eos_is_ignored(
     compare: ModuleType, tmp_path
 ) -> None:
     """With every token an EOS, HF replies stop at once; ``ignore_eos`` runs each to the
-    limit (as the engines' ``SamplingParams.ignore_eos``), so every method does the same work."""
+    limit (the engines' ``SamplingParams``), so every method does the same work."""
     from transformers import AutoModelForCausalLM
 
+    from adaflash.config import SamplingParams
     from tests.tiny import build_checkpoint
 
     model = AutoModelForCausalLM.from_pretrained(build_checkpoint(tmp_path, "llama", seed=3))
     every = list(range(model.config.vocab_size))
     prompts = [[5, 6, 7], [10, 11]]
-    stopped = compare.run_hf(model, prompts, 2, 6, 0, every, False)
+    stopped = compare.run_hf(model, prompts, 2, SamplingParams(max_new_tokens=6), 0, every, False)
     assert stopped["output_tokens"] == 0  # each reply's first token ends it
-    full = compare.run_hf(model, prompts, 2, 6, 0, every, False, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    full = compare.run_hf(model, prompts, 2, params, 0, every, False)
     assert full["output_tokens"] == 2 * 6
 
 
