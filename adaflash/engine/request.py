@@ -52,6 +52,29 @@ class FeatureStore:
         self.data[self.rows.row[slot], start : start + n] = rows
         self.length[slot] = start + n
 
+    @torch.inference_mode()
+    def append_many(self, parts: list[tuple[int, int, int]], src: torch.Tensor) -> None:
+        """Several slots' rows in one copy: ``parts`` (slot, first row of ``src``, n), each
+        slot once. (A step of 16 requests appended one slot at a time in ~0.2 ms.)"""
+        if len(parts) < 2:
+            for slot, first, n in parts:
+                self.append(slot, src[first : first + n])
+            return
+        need = max(self.length[slot] + n for slot, _, n in parts)
+        if need > self.data.shape[1]:
+            self._resize(self.data.shape[0], max(need, 2 * self.data.shape[1]))
+        rows: list[int] = []
+        pos: list[int] = []
+        take: list[int] = []
+        for slot, first, n in parts:
+            start = self.length[slot]
+            rows += [self.rows.row[slot]] * n
+            pos += range(start, start + n)
+            take += range(first, first + n)
+        self.data[torch.tensor(rows), torch.tensor(pos)] = src[torch.tensor(take)]
+        for slot, _, n in parts:  # after the copy: a failed one changed no length
+            self.length[slot] += n
+
     def view(self, slot: int, start: int = 0) -> torch.Tensor:
         """(n, K·H) features of positions start … committed − 1."""
         return self.data[self.rows.row[slot], start : self.length[slot]]

@@ -126,19 +126,25 @@ def speculative_round(
         return res
     t2 = time.perf_counter()
     res.draft_ms, res.verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-    # 6–7. accept (longest agreeing prefix + bonus) and commit, request by request
+    # 6–7. accept (longest agreeing prefix + bonus) and commit, request by request; the
+    # committed positions' features join the drafter context together, in one copy
+    kept: list[tuple[Request, int, int]] = []  # (request, first packed row, rows)
     for plan, row in zip(plans, rows[: len(plans)], strict=True):
         try:
-            res.verified.append(accept_and_commit(cache, drafting, plan, out, row))
+            v = accept_and_commit(cache, plan, out, row)
+            res.verified.append(v)
+            kept.append((plan.req, row[0], v.accepted + 1))
         except Exception as exc:
             res.failed.append((plan.req, exc))
     for pre, row in zip(prefills, rows[len(plans) :], strict=True):
         try:
-            token = commit_prefill(drafting, pre, out, row)
+            kept.append((pre.req, row[0], pre.n))
+            token = commit_prefill(pre, out, row)
             if token is not None:
                 res.first_tokens.append((pre.req, token))
         except Exception as exc:
             res.failed.append((pre.req, exc))
+    keep_features(drafting, out, kept, res)
     return res
 
 
@@ -317,12 +323,11 @@ def verify(
 
 def accept_and_commit(
     cache: KVCache,
-    drafting: Drafting | None,
     plan: Plan,
     out: TargetOutput,
     row: tuple[int, int, int],
 ) -> Verified:
-    r, (first, n, logit_first) = plan.req, row
+    r, (_, n, logit_first) = plan.req, row
     assert out.logits is not None
     logits = out.logits[logit_first : logit_first + n]  # (k̂, V)
     # 6. accept: longest agreeing prefix + the target's bonus token
@@ -332,21 +337,15 @@ def accept_and_commit(
         if p.greedy
         else sampled_accept(logits, plan.drafts, p.temperature, p.top_k, p.top_p, r.generator)
     )
-    # 7. commit: keep anchor + accepted drafts in the KV cache and the drafter context
+    # 7. commit: keep anchor + accepted drafts in the KV cache (their features: ``keep_features``)
     cache.truncate(r.slot, r.anchor_pos + acc.accepted + 1)
-    if r.features is not None and drafting is not None and out.features is not None:
-        drafting.features.append(r.features, out.features[first : first + acc.accepted + 1])
     tokens = [*plan.drafts[: acc.accepted], acc.bonus_token]
     return Verified(plan, acc.accepted, tokens, ["draft"] * acc.accepted + ["target"])
 
 
-def commit_prefill(
-    drafting: Drafting | None, pre: Prefill, out: TargetOutput, row: tuple[int, int, int]
-) -> int | None:
+def commit_prefill(pre: Prefill, out: TargetOutput, row: tuple[int, int, int]) -> int | None:
     """A prompt chunk is in the cache; when it was the last one, the target's first token."""
-    r, (first, n, logit_row) = pre.req, row
-    if r.features is not None and drafting is not None and out.features is not None:
-        drafting.features.append(r.features, out.features[first : first + n])
+    r, (_, n, logit_row) = pre.req, row
     r.prefilled += n
     if not r.prefill_done:
         return None
@@ -356,3 +355,28 @@ def commit_prefill(
     if p.greedy:
         return argmax_rows(logits)[0]
     return int(sample(target_probs(logits, p.temperature, p.top_k, p.top_p), r.generator))
+
+
+def keep_features(
+    drafting: Drafting | None,
+    out: TargetOutput,
+    kept: list[tuple[Request, int, int]],
+    res: RoundResult,
+) -> None:
+    """Step 7 for the drafter context: the target features of the positions each request
+    committed (``kept``: request, first packed row, rows), in one copy; should that fail, one
+    request at a time, so that a failure ends that request alone."""
+    if drafting is None or out.features is None:
+        return
+    parts = [(r.features, first, n) for r, first, n in kept if r.features is not None]
+    try:
+        drafting.features.append_many(parts, out.features)
+    except Exception:
+        log.exception("appending a step's features failed; appending them request by request")
+        for r, first, n in kept:
+            if r.features is None:
+                continue
+            try:
+                drafting.features.append(r.features, out.features[first : first + n])
+            except Exception as exc:
+                res.failed.append((r, exc))

@@ -1,0 +1,94 @@
+"""The drafter context a speculative engine keeps: each request's target features, position by
+position, exactly those of its committed tokens, however they were committed (prefill chunks,
+plain steps, verified rounds with accepted drafts) and however many requests a step held."""
+
+import pytest
+import torch
+
+from adaflash.config import EngineConfig, SamplingParams
+from adaflash.engine.request import FeatureStore
+from adaflash.models.target import PackedBatch
+from tests.engine.conftest import random_drafter
+from tests.engine.oracle import OracleEngine, PinnedCost, greedy_continuation
+
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [30], [40, 41, 42, 43, 44]]
+
+
+def test_append_many_equals_appends_one_slot_at_a_time():
+    """Across growth of the pool (capacity 4 → more) and after a free moved a row."""
+    g = torch.Generator().manual_seed(0)
+    one, many = (
+        FeatureStore(3, torch.float32, capacity=4, rows=2),
+        FeatureStore(3, torch.float32, capacity=4, rows=2),
+    )
+    slots = [(one.allocate(), many.allocate()) for _ in range(4)]
+    for step in range(6):
+        if step == 3:  # the first slot ends: the last row moves into its place
+            a, b = slots.pop(0)
+            one.free(a)
+            many.free(b)
+        counts = [(step + i) % 3 + 1 for i in range(len(slots))]
+        src = torch.randn(sum(counts) + 2, 3, generator=g)  # 2 rows nobody keeps
+        parts, first = [], 1
+        for (a, b), n in zip(slots, counts, strict=True):
+            one.append(a, src[first : first + n])
+            parts.append((b, first, n))
+            first += n
+        many.append_many(parts, src)
+    for a, b in slots:
+        assert one.length[a] == many.length[b] > 4
+        torch.testing.assert_close(many.view(b), one.view(a))
+
+
+@pytest.mark.parametrize(
+    ("policy", "copy"), [("fixed", "one"), ("cost", "one"), ("fixed", "fallback")]
+)
+def test_the_drafter_context_holds_the_features_of_every_committed_position(
+    tiny_llama, monkeypatch, caplog, policy, copy
+):
+    """Snapshots each request's features as it finishes, and checks them against one target
+    pass over its prompt and reply (every committed position: all but the last token). With
+    ``fallback`` the step's one copy raises, and the features go in request by request."""
+    _, target, _ = tiny_llama
+    copies = []
+    if copy == "fallback":
+
+        def broken(self, parts, src):  # type: ignore[no-untyped-def]
+            copies.append(len(parts))
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(FeatureStore, "append_many", broken)
+    drafter = random_drafter(target)
+    cfg = EngineConfig(policy=policy, max_batch_tokens=40, max_prefill_tokens=8)
+    engine = OracleEngine(target, drafter, cfg, continuation=greedy_continuation(target))
+    if policy == "cost":
+        engine.cost = PinnedCost()
+    kept: dict[str, torch.Tensor] = {}
+    finish = engine._finish
+
+    def snapshot(r):  # type: ignore[no-untyped-def]
+        assert r.features is not None and engine.features is not None
+        kept[r.id] = engine.features.view(r.features).clone()
+        finish(r)
+
+    engine._finish = snapshot  # type: ignore[method-assign]
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert all(r.finish_reason == "length" for r in results)
+    assert engine.stats.request_errors == 0
+    fell_back = "request by request" in caplog.text
+    if copy == "fallback":
+        assert copies and max(copies) > 1  # several requests' copy failed: each went alone
+    assert fell_back == (copy == "fallback")
+    if policy == "fixed":  # rounds that accepted several drafts appended several rows
+        assert engine.counters.accept_len > 2.0, engine.counters.summary()
+    layers = tuple(drafter.cfg.target_layer_ids)
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        seq = prompt + list(res.output_ids)[:-1]
+        cache = target.new_cache()
+        slot = cache.allocate()
+        with torch.inference_mode():
+            out = target(
+                PackedBatch(torch.tensor(seq), (slot,), (len(seq),)), cache, capture_layers=layers
+            )
+        assert out.features is not None
+        torch.testing.assert_close(kept[res.request_id], out.features, atol=1e-4, rtol=1e-4)
