@@ -53,7 +53,7 @@ def test_the_drafter_context_holds_the_features_of_every_committed_position(
     copies = []
     if copy == "fallback":
 
-        def broken(self, parts, src):  # type: ignore[no-untyped-def]
+        def broken(self, parts, src):
             copies.append(len(parts))
             raise RuntimeError("boom")
 
@@ -66,7 +66,7 @@ def test_the_drafter_context_holds_the_features_of_every_committed_position(
     kept: dict[str, torch.Tensor] = {}
     finish = engine._finish
 
-    def snapshot(r):  # type: ignore[no-untyped-def]
+    def snapshot(r):
         assert r.features is not None and engine.features is not None
         kept[r.id] = engine.features.view(r.features).clone()
         finish(r)
