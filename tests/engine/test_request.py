@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from adaflash.config import EngineConfig, SamplingParams
+from adaflash.engine import request as request_module
 from adaflash.engine.request import FeatureStore
 from adaflash.models.target import PackedBatch
 from tests.engine.conftest import random_drafter
@@ -14,8 +15,11 @@ from tests.engine.oracle import OracleEngine, PinnedCost, greedy_continuation
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [30], [40, 41, 42, 43, 44]]
 
 
-def test_append_many_equals_appends_one_slot_at_a_time():
-    """Across growth of the pool (capacity 4 → more) and after a free moved a row."""
+@pytest.mark.parametrize("one_copy_min", [2, request_module.ONE_COPY_MIN])
+def test_append_many_equals_appends_one_slot_at_a_time(monkeypatch, one_copy_min):
+    """Across growth of the pool (capacity 4 → more) and after a free moved a row; with 2 the
+    4 and 3 slots here go in one copy, with the default one at a time."""
+    monkeypatch.setattr(request_module, "ONE_COPY_MIN", one_copy_min)
     g = torch.Generator().manual_seed(0)
     one, many = (
         FeatureStore(3, torch.float32, capacity=4, rows=2),
@@ -50,6 +54,7 @@ def test_the_drafter_context_holds_the_features_of_every_committed_position(
     pass over its prompt and reply (every committed position: all but the last token). With
     ``fallback`` the step's one copy raises, and the features go in request by request."""
     _, target, _ = tiny_llama
+    monkeypatch.setattr(request_module, "ONE_COPY_MIN", 2)  # 4 requests: the one copy
     copies = []
     if copy == "fallback":
 
