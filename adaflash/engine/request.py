@@ -49,8 +49,7 @@ class FeatureStore:
     def append(self, slot: int, rows: torch.Tensor) -> None:
         """rows (n, K·H) after the slot's committed features."""
         start, n = self.length[slot], rows.shape[0]
-        if start + n > self.data.shape[1]:
-            self._resize(self.data.shape[0], max(start + n, 2 * self.data.shape[1]))
+        self._fit(start + n)
         self.data[self.rows.row[slot], start : start + n] = rows
         self.length[slot] = start + n
 
@@ -64,9 +63,7 @@ class FeatureStore:
             for slot, first, n in parts:
                 self.append(slot, src[first : first + n])
             return
-        need = max(self.length[slot] + n for slot, _, n in parts)
-        if need > self.data.shape[1]:
-            self._resize(self.data.shape[0], max(need, 2 * self.data.shape[1]))
+        self._fit(max(self.length[slot] + n for slot, _, n in parts))
         rows: list[int] = []
         pos: list[int] = []
         take: list[int] = []
@@ -82,6 +79,11 @@ class FeatureStore:
     def view(self, slot: int, start: int = 0) -> torch.Tensor:
         """(n, K·H) features of positions start … committed − 1."""
         return self.data[self.rows.row[slot], start : self.length[slot]]
+
+    def _fit(self, positions: int) -> None:
+        """Room for ``positions`` per row: the capacity doubles (at least) when it is short."""
+        if positions > self.data.shape[1]:
+            self._resize(self.data.shape[0], max(positions, 2 * self.data.shape[1]))
 
     @torch.inference_mode()
     def _resize(self, rows: int, capacity: int) -> None:

@@ -368,15 +368,14 @@ def keep_features(
     request at a time, so that a failure ends that request alone."""
     if drafting is None or out.features is None:
         return
-    parts = [(r.features, first, n) for r, first, n in kept if r.features is not None]
+    # (request, its feature slot, first packed row, rows), for the requests that keep features
+    mine = [(r, slot, first, n) for r, first, n in kept if (slot := r.features) is not None]
     try:
-        drafting.features.append_many(parts, out.features)
+        drafting.features.append_many([(slot, f, n) for _, slot, f, n in mine], out.features)
     except Exception:
         log.exception("appending a step's features failed; appending them request by request")
-        for r, first, n in kept:
-            if r.features is None:
-                continue
+        for r, slot, first, n in mine:
             try:
-                drafting.features.append(r.features, out.features[first : first + n])
+                drafting.features.append(slot, out.features[first : first + n])
             except Exception as exc:
                 res.failed.append((r, exc))
