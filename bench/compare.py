@@ -248,6 +248,9 @@ def engine_result(
         "accept_len": c.accept_len,
         "verify_len": c.verify_len,
         "output_tokens": st.output_tokens,
+        # where its time went: steps, the round's drafting part (policy included), its target
+        # pass, and the rest of ``wall`` (accept, commit, features, records, scheduling)
+        "_timing": {"steps": st.steps, "draft": st.draft_s, "verify": st.verify_s, "wall": wall},
         "_pricing": {  # the cost policy's predicted step time against the measured (seconds)
             "drafting": (st.predicted_drafting_s, st.measured_drafting_s),
             "plain": (st.predicted_plain_s, st.measured_plain_s),
@@ -421,6 +424,7 @@ def paper_domain(
         for m, r in results.items():
             outs = r.pop("_outputs", None)
             r.pop("_pricing", None)
+            r.pop("_timing", None)
             row = {
                 "domain": domain,
                 "concurrency": c,
@@ -585,6 +589,12 @@ def policy_rows(domain: str, c: int, runs: dict[Key, list[dict]]) -> list[dict]:
             "output_tokens": reps[0]["output_tokens"],
             "seconds": round(sum(r["output_tokens"] / r["tokens_per_s"] for r in reps), 3),
         }
+        timing = [r["_timing"] for r in reps if "_timing" in r]
+        if timing:  # Σ over the repeats, seconds
+            draft, verify = sum(t["draft"] for t in timing), sum(t["verify"] for t in timing)
+            row["steps"] = sum(t["steps"] for t in timing)
+            row["draft_s"], row["verify_s"] = round(draft, 3), round(verify, 3)
+            row["outside_s"] = round(sum(t["wall"] for t in timing) - draft - verify, 3)
         pricing = [r["_pricing"] for r in reps if "_pricing" in r]
         if method == "cost" and pricing:  # how well it priced its steps: Σ predicted ÷ Σ measured
             for kind in ("drafting", "plain"):

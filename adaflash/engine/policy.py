@@ -139,8 +139,12 @@ PRIOR_WEIGHT = 1.0  # rounds' worth of the engine-wide profile mixed into each r
 START = (0.0, 1.0)  # engine-wide (accepted, verified) per slot before any round: a = 0, weak
 CAL_DECAY = 0.99  # per verified slot: the calibration follows its last ~100 verifications
 CAL_WEIGHT = 2.0  # planned tokens' worth of "as planned" it starts from
-PROBE_SHARE = 0.01  # probes spend at most this share of the serving time …
-PROBE_START_S = 0.25  # … after a start of this many seconds (also the budget's cap)
+# probes spend at most this share of the serving time … (with a drafter that never pays, the
+# share is what cost speculation loses to plain decoding: 1% was ~1% of every cell at C = 1)
+PROBE_SHARE = 0.005
+# … after a start of this many seconds (also the budget's cap): a few probe passes, enough to
+# find a drafter that pays at once (0.25 s was up to 5.6% of a cold 20-second study cell)
+PROBE_START_S = 0.06
 PROBE_REQUESTS = 4  # a pass of probes alone takes up to this many requests, cheapest first
 _states = itertools.count(1)  # numbers the cost policies' profile states, process-wide
 
