@@ -78,6 +78,7 @@ import copy
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -199,14 +200,20 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams)
     return engine_result(engine, prompts, recs, time.perf_counter() - t0)
 
 
+LOCKSTEP_SEED = 0  # the engines' order in each turn of ``run_lockstep``
+
+
 def run_lockstep(
     engines: dict[Key, Engine], prompts: list[list[int]], params: SamplingParams
 ) -> dict[Key, dict]:
     """The engines serve the same prompts side by side, one step each in turn, each timed on
     its own steps only: a slow spell of the machine lands on all of them alike, at the
     granularity of a step, not of a run (runs one after another, ±10–20% apart on a shared
-    host, could not separate a 3% difference in three repeats). Each turn starts one engine
-    further on, so none always steps first, or right after the same one."""
+    host, could not separate a 3% difference in three repeats). Each turn takes them in a new
+    order (seeded), so none always steps first, or right after the same one. (Turns rotated
+    by one until 2026-12-03 kept the cyclic order: each engine stepped right after the same
+    other in all but one step of a turn — every ``cost`` engine right after a ``head``
+    engine's eager passes, ``ar`` after the oracle ``cost`` engine's compiled step.)"""
     done: dict[Key, dict[str, RequestRecord]] = {key: {} for key in engines}
     ids = {
         key: [e.add_request(p, params, on_finish=finisher(done[key])) for p in prompts]
@@ -214,11 +221,9 @@ def run_lockstep(
     }
     spent = dict.fromkeys(engines, 0.0)
     live = list(engines)
-    turn = 0
+    order = random.Random(LOCKSTEP_SEED)
     while live:
-        turn += 1
-        start = turn % len(live)
-        for key in live[start:] + live[:start]:
+        for key in order.sample(live, len(live)):
             e = engines[key]
             t0 = time.perf_counter()
             stepped = e.step()
