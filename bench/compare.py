@@ -213,7 +213,7 @@ def run_lockstep(
     order (seeded), so none always steps first, or right after the same one. (Turns rotated
     by one until 2026-12-03 kept the cyclic order: each engine stepped right after the same
     other in all but one step of a turn — every ``cost`` engine right after a ``head``
-    engine's eager passes, ``ar`` after the oracle ``cost`` engine's compiled step.)"""
+    engine's eager passes, ``ar`` right after the oracle ``cost`` engine.)"""
     done: dict[Key, dict[str, RequestRecord]] = {key: {} for key in engines}
     ids = {
         key: [e.add_request(p, params, on_finish=finisher(done[key])) for p in prompts]
