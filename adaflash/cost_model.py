@@ -29,7 +29,8 @@ overpriced as well: ``plain_stale``.) When the number of compiled graphs changes
 start over: what they measured ran another path. Passes of several requests in which some
 verify run eager; each request count gets a line of its own over tokens, started from the
 shared line and fed by that count's passes without prompt chunks, so prefills and other
-concurrencies do not pull it; it never prices below the plain step of as many requests. With
+concurrencies do not pull it. Neither it nor the shared line (while a count's own line is
+cold) ever prices such a pass below the measured plain step of as many requests. With
 one shared line, a perfect drafter still lost to plain decoding at 8 and 16 requests (0.98×,
 0.90×, docs/results/compare), where drafting leaves a compiled batched step.
 """
@@ -162,7 +163,11 @@ class CostModel:
         return age is None or age > PLAIN_REFRESH
 
     def target_s(self, tokens: int, requests: int) -> float:
-        """Predicted seconds of a target pass (never below a microsecond)."""
+        """Predicted seconds of a target pass (never below a microsecond). A pass in which
+        some verify is never priced below the measured plain pass of as many requests: a line
+        fitted elsewhere (other request counts, nearly one token count) can tilt below it, and
+        a cold model then drafted at 8 requests with nothing surviving (weak drafter, math:
+        0.91× ``ar``, every drafting step an eager pass at twice the compiled plain one)."""
         if requests > 1 and tokens == requests:
             line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
             return between(self.plain, self.plain_key(requests), line)
@@ -170,15 +175,12 @@ class CostModel:
         if requests == 1 and tokens in table:
             return table[tokens]
         mixed = self.mixed.get(requests)
-        if requests > 1 and tokens > requests and mixed is not None and mixed.seen >= MIXED_SEEN:
-            # never below the plain step of as many requests (a line fitted on nearly one
-            # token count can tilt)
-            plain = self.plain.get(self.plain_key(requests), 1e-6)
-            return max(mixed.predict([1.0, float(tokens)]), plain)
         line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
-        if requests != 1 or tokens > ONE_REQUEST_MAX:
-            return line
-        return between(table, tokens, line)
+        if requests == 1:
+            return line if tokens > ONE_REQUEST_MAX else between(table, tokens, line)
+        if tokens > requests and mixed is not None and mixed.seen >= MIXED_SEEN:
+            line = mixed.predict([1.0, float(tokens)])
+        return max(line, self.plain.get(self.plain_key(requests), 1e-6))
 
     def drafter_s(self, requests: int, context: int = 0) -> float:
         """Predicted seconds of a drafter pass for ``requests`` that bring ``context`` new

@@ -526,3 +526,30 @@ def test_passes_where_some_verify_are_priced_per_request_count_not_by_one_line()
         for extra in (4, 24):
             cost.observe_target(16 + extra, 16, 2 * (0.078 + 0.0005 * (16 + extra)))
     assert abs(cost.target_s(30, 16) - 2 * expected) < 5e-3
+
+
+def test_a_cold_request_count_never_drafts_below_its_measured_plain_step():
+    """The first steps at 8 requests: the plain step (compiled) is measured, passes where some
+    verify are not yet, and the shared line, fitted on 4-request passes, prices a pass of 9
+    tokens below the plain one. Such a pass is priced at least the plain step, so requests
+    whose drafts never survive take plain steps."""
+    k = 8
+    cost = CostModel()
+    cost.compiled((4, 8), 3)
+    for _ in range(30):  # eager 4-request verification: cheap per request, steep per token
+        for extra in (1, 8, 16):
+            cost.observe_target(4 + extra, 4, 0.012 + 0.0015 * (4 + extra))
+        cost.observe_drafter(4, 0.002)
+        cost.observe_drafter(8, 0.003)
+    cost.observe_target(8, 8, 0.033)  # the compiled plain step at 8 requests
+    assert cost.target.predict([1.0, 9.0, 8.0]) < 0.033  # the shared line tilts below it
+    assert cost.target_s(9, 8) >= cost.target_s(8, 8) == 0.033
+    policy = CostPolicy(k)
+    reqs = [req(i) for i in range(8)]
+    for _ in range(20):
+        for r in reqs:  # one draft in a hundred survives its first slot
+            policy.observe(r, k, 1 if torch.rand(1) < 0.01 else 0, k)
+    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
+    ctx.requests = 8
+    assert policy.drafters(reqs, ctx) == []
+    assert policy.predicted_s == 0.033 + policy.draft_s  # the plain step (and any probe)
