@@ -196,7 +196,7 @@ void wide_tile(const float* xs, int64_t full, const at::BFloat16* x, const uint1
     }
 }
 
-// weight rows [n, n + R) widened into wf, then against every input row in tiles
+// widened weight rows [n, n + NR) (wf) against every input row, three at a time
 template <int NR>
 void wide_rows(const float* xs, int64_t full, const at::BFloat16* x, const uint16_t* w,
                const float* wf, uint16_t* y, int64_t M, int64_t K, int64_t N, int64_t n) {
@@ -206,6 +206,7 @@ void wide_rows(const float* xs, int64_t full, const at::BFloat16* x, const uint1
   if (M - m == 1) wide_tile<1, NR>(xs, full, x, w, wf, y, K, N, n, m);
 }
 
+// one thread's blocks [begin, end) of WIDE_ROWS weight rows: each widened, then multiplied
 void widened(const float* xs, int64_t full, const at::BFloat16* x, const uint16_t* w, uint16_t* y,
              int64_t M, int64_t K, int64_t N, int64_t begin, int64_t end) {
   std::vector<float> wf(WIDE_ROWS * full);
