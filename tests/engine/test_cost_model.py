@@ -546,6 +546,7 @@ def test_a_cold_request_count_never_drafts_below_its_measured_plain_step():
     assert cost.target_s(9, 8) >= cost.target_s(8, 8) == 0.033
     policy = CostPolicy(k)
     reqs = [req(i) for i in range(8)]
+    torch.manual_seed(0)
     for _ in range(20):
         for r in reqs:  # one draft in a hundred survives its first slot
             policy.observe(r, k, 1 if torch.rand(1) < 0.01 else 0, k)
