@@ -175,11 +175,12 @@ class CostModel:
         if requests == 1 and tokens in table:
             return table[tokens]
         mixed = self.mixed.get(requests)
-        line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
+        if requests > 1 and tokens > requests and mixed is not None and mixed.seen >= MIXED_SEEN:
+            line = mixed.predict([1.0, float(tokens)])
+        else:
+            line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
         if requests == 1:
             return line if tokens > ONE_REQUEST_MAX else between(table, tokens, line)
-        if tokens > requests and mixed is not None and mixed.seen >= MIXED_SEEN:
-            line = mixed.predict([1.0, float(tokens)])
         return max(line, self.plain.get(self.plain_key(requests), 1e-6))
 
     def drafter_s(self, requests: int, context: int = 0) -> float:

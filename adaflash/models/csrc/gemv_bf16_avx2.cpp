@@ -68,6 +68,19 @@ inline float bf16_bits(uint16_t x) {
   return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16);
 }
 
+// 16 bf16 (a 256-bit load) → their 8 even elements and their 8 odd ones as fp32 (above)
+inline __m256 even_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 odd_bf16(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+// the dot product of one input row and one weight row over the last K % 16 elements
+inline float tail_dot(const at::BFloat16* x, const uint16_t* w, int64_t full, int64_t K) {
+  float t = 0.0f;
+  for (int64_t k = full; k < K; ++k) t += static_cast<float>(x[k]) * bf16_bits(w[k]);
+  return t;
+}
+
 // one weight row wr (K) against M input rows (split: per 16-chunk of K, 8 even then 8 odd fp32
 // elements, rows `full` apart), 32 weights a step into A accumulators per input row, prefetching
 // ahead of the stream, then one more 16-chunk where K % 32 ≥ 16: per input row, out[m] is a
@@ -75,7 +88,6 @@ inline float bf16_bits(uint16_t x) {
 template <int M, int A>
 inline void row(const float* xs, int64_t full, const uint16_t* wr, int64_t K, __m256* out) {
   const int64_t pairs = K - K % 32;
-  const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
   __m256 acc[M][A];
   for (int m = 0; m < M; ++m)
     for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
@@ -83,10 +95,7 @@ inline void row(const float* xs, int64_t full, const uint16_t* wr, int64_t K, __
     _mm_prefetch((const char*)(wr + k) + PREFETCH, _MM_HINT_T0);
     const __m256i v0 = _mm256_loadu_si256((const __m256i*)(wr + k));
     const __m256i v1 = _mm256_loadu_si256((const __m256i*)(wr + k + 16));
-    const __m256 p[4] = {_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)),
-                         _mm256_castsi256_ps(_mm256_and_si256(v0, high)),
-                         _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)),
-                         _mm256_castsi256_ps(_mm256_and_si256(v1, high))};
+    const __m256 p[4] = {even_bf16(v0), odd_bf16(v0), even_bf16(v1), odd_bf16(v1)};
     for (int m = 0; m < M; ++m) {
       const float* xm = xs + m * full + k;
       for (int j = 0; j < 4; ++j)
@@ -95,8 +104,7 @@ inline void row(const float* xs, int64_t full, const uint16_t* wr, int64_t K, __
   }
   if (pairs < full) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)(wr + pairs));
-    const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    const __m256 e = even_bf16(v), o = odd_bf16(v);
     for (int m = 0; m < M; ++m) {
       const float* xm = xs + m * full + pairs;
       acc[m][0] = _mm256_fmadd_ps(e, _mm256_loadu_ps(xm), acc[m][0]);
@@ -125,9 +133,7 @@ void block(const float* xs, int64_t full, const at::BFloat16* x, const uint16_t*
     alignas(32) float t[8];
     if constexpr (R == 8) _mm256_store_ps(t, sum8(part[m]));
     else t[0] = hsum(part[m][0]);
-    for (int r = 0; r < R; ++r)
-      for (int64_t k = full; k < K; ++k)
-        t[r] += static_cast<float>(x[(m0 + m) * K + k]) * bf16_bits(w[(n + r) * K + k]);
+    for (int r = 0; r < R; ++r) t[r] += tail_dot(x + (m0 + m) * K, w + (n + r) * K, full, K);
     if constexpr (R == 8)
       _mm_storeu_si128((__m128i*)(y + (m0 + m) * N + n), to_bf16(_mm256_load_ps(t)));
     else y[(m0 + m) * N + n] = at::BFloat16(t[0]).x;
@@ -153,11 +159,10 @@ constexpr int WIDE_ROWS = 8;    // weight rows widened at a time, per thread
 
 // a bf16 weight row's full 16-chunks → fp32 in the split order of the input rows (8 even, 8 odd)
 inline void widen_row(const uint16_t* w, float* out, int64_t full) {
-  const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
   for (int64_t k = 0; k < full; k += 16) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)(w + k));
-    _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-    _mm256_storeu_ps(out + k + 8, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+    _mm256_storeu_ps(out + k, even_bf16(v));
+    _mm256_storeu_ps(out + k + 8, odd_bf16(v));
   }
 }
 
@@ -189,9 +194,7 @@ void wide_tile(const float* xs, int64_t full, const at::BFloat16* x, const uint1
   tile<MR, NR>(xs + m0 * full, wf, full, t);
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) {
-      float v = t[m * NR + r];
-      for (int64_t k = full; k < K; ++k)
-        v += static_cast<float>(x[(m0 + m) * K + k]) * bf16_bits(w[(n + r) * K + k]);
+      const float v = t[m * NR + r] + tail_dot(x + (m0 + m) * K, w + (n + r) * K, full, K);
       y[(m0 + m) * N + n + r] = at::BFloat16(v).x;
     }
 }
