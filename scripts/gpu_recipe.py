@@ -79,6 +79,7 @@ def generate(
                 if t in eos:
                     break
             out.append(Trajectory(pid, domain, p, resp, "", "stop"))
+        print(f"[recipe] generated {len(out)}/{len(prompts)}", flush=True)
     return out
 
 
@@ -101,6 +102,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's")
+    ap.add_argument(
+        "--curve-every",
+        type=int,
+        default=0,
+        help="replay the held-out trajectories every this many blocks (0: only at the end)",
+    )
     args = ap.parse_args()
     t0 = time.time()
     torch.manual_seed(args.seed)
@@ -124,11 +131,16 @@ def main() -> None:
     )
     held = generate(folder, evals, args.device, args.gen_batch, args.max_new_tokens, 60.0, pad, eos)
     t_gen = time.time() - t0
-    print(f"[recipe] {len(train)} trajectories in {t_gen:.0f} s", flush=True)
+    n_tok = sum(len(t.response_ids) for t in train)
+    print(f"[recipe] {len(train)} trajectories, {n_tok} tokens in {t_gen:.0f} s", flush=True)
 
     target = load_target(folder, "bfloat16" if args.device == "cuda" else "float32", args.device)
+    offset = 0  # blocks the chain had seen before this run
     if args.init:
         drafter = load_drafter(args.init, "float32")
+        card = Path(args.init) / "training.json"
+        if card.is_file():
+            offset = int(json.loads(card.read_text()).get("result", {}).get("blocks_seen", 0))
     else:
         drafter = new_drafter(
             target,
@@ -152,6 +164,11 @@ def main() -> None:
     drafter.to(args.device)
     seqs = teach(target, train, drafter.cfg.target_layer_ids)
     held_seqs = teach(target, held, drafter.cfg.target_layer_ids)
+    t_teach = time.time() - t0 - t_gen
+    print(f"[recipe] teacher over {len(seqs)} sequences in {t_teach:.0f} s", flush=True)
+    curve_sets = {d: [s for s in held_seqs if s.domain == d] for d in ("chat", "code")}
+    tau0 = {d: round(replay(drafter, target, v).accept_len, 4) for d, v in curve_sets.items()}
+    print(f"[recipe] held-out simulated tau before training {tau0}", flush=True)
     cfg = DistillConfig(
         epochs=1000,
         max_minutes=args.train_minutes,
@@ -162,13 +179,19 @@ def main() -> None:
         bf16_autocast=args.device == "cuda",
         seed=args.seed,
     )
-    result = fit(drafter, target, seqs, None, cfg, progress=False)
-    tau = {
-        d: round(
-            replay(result.drafter, target, [s for s in held_seqs if s.domain == d]).accept_len, 4
-        )
-        for d in ("chat", "code")
-    }
+    result = fit(
+        drafter,
+        target,
+        seqs,
+        None,
+        cfg,
+        progress=False,
+        curve_sets=curve_sets,
+        curve_every=args.curve_every or 10**12,
+        blocks_offset=offset,
+        on_curve=lambda c: print(f"[recipe] curve {c[-1]}", flush=True),
+    )
+    tau = {d: round(replay(result.drafter, target, v).accept_len, 4) for d, v in curve_sets.items()}
     save_run(
         result,
         Path(args.out),
@@ -179,11 +202,16 @@ def main() -> None:
             "target": folder.name,
             "init": args.init or "target layers",
             "device": args.device,
+            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "response_tokens": n_tok,
         },
         cfg=cfg,
         extra={
             "simulated_tau_held_out": tau,
+            "simulated_tau_held_out_before": tau0,
             "generate_s": round(t_gen, 1),
+            "teacher_s": round(t_teach, 1),
+            "learning_curve": result.curve,
             "total_s": round(time.time() - t0, 1),
         },
     )
