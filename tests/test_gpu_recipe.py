@@ -21,7 +21,8 @@ def test_gpu_recipe_runs_end_to_end_on_the_cpu(tmp_path):
         "--max-new-tokens", "10",
         "--gen-batch", "4",
         "--gen-minutes", "2",
-        "--train-minutes", "0.05",
+        "--train-minutes", "5",
+        "--minutes", "0.9",  # the budget cuts training to its 0.9 − 0.75 minutes or less
         "--block-size", "4",
         "--layers", "1",
         "--draft-vocab", "40",
@@ -37,3 +38,4 @@ def test_gpu_recipe_runs_end_to_end_on_the_cpu(tmp_path):
     assert card["data"]["trajectories"] == 6  # 3 chat + 3 code prompts answered
     assert set(card["simulated_tau_held_out"]) == {"chat", "code"}
     assert card["result"]["steps"] > 0
+    assert card["data"]["taught"] == 6 and 0.1 <= card["settings"]["max_minutes"] <= 0.15
