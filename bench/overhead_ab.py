@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -108,10 +107,11 @@ def main() -> None:
             row: dict = {"domain": domain, "concurrency": c, "prompts": len(prompts)}
             for key, *_ in engines[1:]:
                 ratios = [r[key]["tokens_per_s"] / r["ar"]["tokens_per_s"] for r in reps]
+                med, lo, hi = cmp.spread(ratios)
                 row[f"{key}_over_ar"] = {
-                    "median": round(statistics.median(ratios), 4),
-                    "min": round(min(ratios), 4),
-                    "max": round(max(ratios), 4),
+                    "median": round(med, 4),
+                    "min": round(lo, 4),
+                    "max": round(hi, 4),
                 }
             row["repeats"] = reps
             cells.append(row)

