@@ -23,6 +23,7 @@ import torch
 from adaflash.losses import (
     ALPHA,
     DELTA,
+    TopKTeacher,
     opd_loss_topk,
     osd_loss_topk,
     slot_weights,
@@ -30,7 +31,7 @@ from adaflash.losses import (
 )
 from adaflash.metrics import SpecCounters
 from adaflash.models.drafter import DFlashDrafter
-from adaflash.models.layers import BlockMask
+from adaflash.models.layers import BlockMask, Mask
 from adaflash.models.length_head import acceptance_label, head_loss
 from adaflash.models.target import TargetModel
 from adaflash.teacher_cache import CachedSequence, teach
@@ -61,19 +62,39 @@ def block_states(
     """Drafter final states for every anchor's block → (Nb, k, H). Gradient flows into the
     drafter; the target's embedding stays frozen. The cached sequence lives on the CPU; what
     the drafter needs moves to its device."""
-    k, s = drafter.cfg.block_size, seq.tokens.numel()
-    dev = drafter.fc.weight.device
-    nb = anchors.numel()
-    block_ids = torch.full((nb, k), drafter.cfg.mask_token_id)
-    block_ids[:, 0] = seq.tokens[anchors]
-    positions = (anchors[:, None] + torch.arange(k)).reshape(1, nb * k).to(dev)  # (1, Nb·k)
+    return block_states_batch(drafter, target, [seq], [anchors])[0]
+
+
+def block_states_batch(
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    seqs: Sequence[CachedSequence],
+    anchors: Sequence[torch.Tensor],
+) -> list[torch.Tensor]:
+    """``block_states`` of several sequences in one drafter pass → [(Nb_i, k, H)]. Each item is
+    padded to the most blocks by repeating its last anchor; blocks never see each other, so a pad
+    block changes nothing and is dropped from the result."""
+    if not anchors or min(a.numel() for a in anchors) == 0:
+        raise ValueError("every sequence needs at least one anchor")
+    k, dev = drafter.cfg.block_size, drafter.fc.weight.device
+    nb_max = max(a.numel() for a in anchors)
+    padded = torch.stack([torch.cat([a, a[-1:].expand(nb_max - a.numel())]) for a in anchors])
+    block_ids = torch.full((len(seqs), nb_max, k), drafter.cfg.mask_token_id)  # (B, Nb, k)
+    block_ids[:, :, 0] = torch.stack([s.tokens[p] for s, p in zip(seqs, padded, strict=True)])
+    positions = (padded[:, :, None] + torch.arange(k)).reshape(len(seqs), nb_max * k).to(dev)
     with torch.no_grad():
-        emb = target.embed_tokens(block_ids.reshape(1, nb * k).to(target.device))
-        block = emb.to(dev, drafter.dtype)  # (1, Nb·k, H)
-    ctx = drafter.context_kv(seq.features.to(dev), torch.arange(s, device=dev))  # (kv, S, d)/layer
-    mask = block_attention_mask(anchors.to(dev), k, s)
-    states = drafter(block, positions, [ctx], [mask])  # (1, Nb·k, H)
-    return states.view(nb, k, -1)
+        emb = target.embed_tokens(block_ids.reshape(len(seqs), nb_max * k).to(target.device))
+        block = emb.to(dev, drafter.dtype)  # (B, Nb·k, H)
+    ctx = [
+        drafter.context_kv(s.features.to(dev), torch.arange(s.tokens.numel(), device=dev))
+        for s in seqs
+    ]  # [item][layer] (kv, S_i, d)
+    masks: list[Mask] = [
+        block_attention_mask(p.to(dev), k, s.tokens.numel())
+        for s, p in zip(seqs, padded, strict=True)
+    ]
+    states = drafter(block, positions, ctx, masks).view(len(seqs), nb_max, k, -1)
+    return [states[i, : a.numel()] for i, a in enumerate(anchors)]
 
 
 def slot_targets(
@@ -126,25 +147,56 @@ def distill_sequence(
 ) -> DistillOutput:
     """Losses of one sequence's blocks. ``lookup`` maps target ids to the drafter's draft
     vocabulary (``draft_vocab.lookup_table``; None without one)."""
+    return distill_batch(
+        drafter, target, [seq], [anchors], loss, alpha, delta, lookup, supervised_slots, slot_decay
+    )[0]
+
+
+def distill_batch(
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    seqs: Sequence[CachedSequence],
+    anchors: Sequence[torch.Tensor],
+    loss: str = "opd",
+    alpha: float = ALPHA,
+    delta: float = DELTA,
+    lookup: torch.Tensor | None = None,
+    supervised_slots: int | None = None,
+    slot_decay: float | None = None,
+) -> list[DistillOutput]:
+    """``distill_sequence`` of each sequence, computed together: one drafter pass, one draft
+    head and one loss over every block of the batch (a GPU runs a few large kernels instead of
+    many small ones per sequence); the losses stay per sequence."""
     k = drafter.cfg.block_size
-    states = block_states(drafter, target, seq, anchors)  # (Nb, k, H)
-    dev = states.device
-    rows, recorded, valid = slot_targets(seq, anchors, k)  # (Nb, k−1) each
-    recorded, valid = recorded.to(dev), valid.to(dev)
-    flat = states[:, 1:].reshape(-1, states.shape[-1])  # (Nb·(k−1), H)
-    q = drafter.draft_logits(flat, target.lm_head.weight.to(dev))  # (Nb·(k−1), V_d)
-    teacher = seq.teacher(rows.flatten(), lookup).to(dev)
+    states = block_states_batch(drafter, target, seqs, anchors)  # [(Nb_i, k, H)]
+    dev = states[0].device
+    targets = [slot_targets(s, a, k) for s, a in zip(seqs, anchors, strict=True)]
+    flat = torch.cat([st[:, 1:].reshape(-1, st.shape[-1]) for st in states])  # (ΣNb·(k−1), H)
+    q = drafter.draft_logits(flat, target.lm_head.weight.to(dev))  # (ΣNb·(k−1), V_d)
+    teacher = TopKTeacher.cat(
+        [s.teacher(rows.flatten(), lookup) for s, (rows, _, _) in zip(seqs, targets, strict=True)]
+    ).to(dev)
     per_row = (
         opd_loss_topk(q, teacher, alpha, delta) if loss == "opd" else osd_loss_topk(q, teacher)
     )
-    taught = valid & train_slots(k, supervised_slots).to(dev)[None, :]
+    drafts = drafter.to_target_ids(q.detach().argmax(-1))
     weights = slot_weights(k, dev, decay=slot_decay)
-    draft_loss = weighted_slot_mean(per_row.view(rows.shape), taught, k, weights)
-    drafts = drafter.to_target_ids(q.detach().argmax(-1)).view(rows.shape)
-    accepted = accepted_drafts(drafts, recorded, valid)
-    a_hat = drafter.length_head(states)  # detaches its input
-    h_loss = head_loss(a_hat.float(), acceptance_label(accepted, k))
-    return DistillOutput(draft_loss + h_loss, draft_loss, h_loss, accepted, a_hat.detach())
+    taught_slots = train_slots(k, supervised_slots).to(dev)[None, :]
+    blocks = [a.numel() for a in anchors]
+    rows_each = [n * (k - 1) for n in blocks]
+    a_hats = drafter.length_head(torch.cat(states)).split(blocks)  # detaches its input
+    outs = []
+    for (rows, recorded, valid), ell, d, a_hat in zip(
+        targets, per_row.split(rows_each), drafts.split(rows_each), a_hats, strict=True
+    ):
+        recorded, valid = recorded.to(dev), valid.to(dev)
+        draft_loss = weighted_slot_mean(ell.view(rows.shape), valid & taught_slots, k, weights)
+        accepted = accepted_drafts(d.view(rows.shape), recorded, valid)
+        h_loss = head_loss(a_hat.float(), acceptance_label(accepted, k))
+        outs.append(
+            DistillOutput(draft_loss + h_loss, draft_loss, h_loss, accepted, a_hat.detach())
+        )
+    return outs
 
 
 @torch.no_grad()

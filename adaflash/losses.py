@@ -26,6 +26,7 @@ from the exact losses in exactly two ways (tests/test_losses.py compares them):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,15 @@ class TopKTeacher:
 
     def to(self, device: torch.device) -> TopKTeacher:
         return TopKTeacher(self.index.to(device), self.logp.to(device), self.tail_logp.to(device))
+
+    @staticmethod
+    def cat(parts: Sequence[TopKTeacher]) -> TopKTeacher:
+        """The rows of several teachers, in order."""
+        return TopKTeacher(
+            torch.cat([t.index for t in parts]),
+            torch.cat([t.logp for t in parts]),
+            torch.cat([t.tail_logp for t in parts]),
+        )
 
     @property
     def top1(self) -> torch.Tensor:

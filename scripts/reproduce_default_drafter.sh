@@ -8,7 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-assets/drafters/smollm2-135m-dflash}
 # The shipped drafter: runs 1–2 (38 + 22 min) saw 606 code trajectories (that session's data
-# job was cut short), run 3 (42 min, lr 6.4e-4) the full 1,200 with the same chat set.
+# job was cut short), run 3 (42 min, lr 6.4e-4) the full 1,200 with the same chat set; then one
+# GPU run continued run 3 on a CUDA host (2026-12-04, H200):
+#   python scripts/gpu_recipe.py --out DIR --init data/drafters/run3 --minutes 8.5 \
+#     --prompts 2000 --gen-minutes 1.5 --anchors 128 --batch-size 8 --curve-every 1000000
+# (scripts/remote_gpu/ stages it on a host without a registry). Bring DIR back and pass it as
+# GPU_RUN=DIR to ship it instead of run 3; without GPU_RUN the chain's last CPU run is shipped.
 RUNS=${RUNS:-3}
 RUN_MINUTES=${RUN_MINUTES:-45}
 CODE_PROMPTS=${CODE_PROMPTS:-1200}
@@ -47,9 +52,16 @@ for i in $(seq 1 "$RUNS"); do
   fi
   prev=$run
 done
-.venv/bin/python bench/eval_drafter.py --drafter "$prev" --domains chat code math --prompts 8 \
+title="SmolLM2-135M-Instruct DFlash drafter (chat + code, k = 8)"
+if [ -n "${GPU_RUN:-}" ]; then
+  .venv/bin/python scripts/curve_point.py "$GPU_RUN" --run "gpu run 1 (H200, 8.5 min)" \
+    --check "$prev" --curve docs/results/drafter/learning_curve.json
+  prev=$GPU_RUN
+  title="SmolLM2-135M-Instruct DFlash drafter (chat + code, k = 8; GPU run 1)"
+fi
+.venv/bin/python bench/eval_drafter.py --drafter "$prev" --domains chat code math --prompts 16 \
   --max-new-tokens 64 --threads 2 --out docs/results/default_drafter_eval.json
 .venv/bin/python scripts/ship_drafter.py "$prev" "$OUT" \
   --curve docs/results/drafter/learning_curve.json --eval docs/results/default_drafter_eval.json \
-  --title "SmolLM2-135M-Instruct DFlash drafter (chat + code, k = 8)"
+  --title "$title"
 .venv/bin/python scripts/plot_learning_curve.py docs/results/drafter/learning_curve.json

@@ -8,6 +8,7 @@ from adaflash.distill import (
     accepted_drafts,
     block_attention_mask,
     block_states,
+    distill_batch,
     distill_sequence,
     sample_anchors,
     simulate_acceptance,
@@ -90,3 +91,40 @@ def test_simulated_acceptance_counts_one_round_per_anchor(parts):
     c = simulate_acceptance(drafter, target, [(tokens, 8)], anchors_per_seq=None)
     assert c.rounds == len(tokens) - 1 - 8
     assert 1.0 <= c.accept_len <= 4.0
+
+
+def test_a_batch_of_sequences_learns_exactly_what_each_alone_does(parts):
+    """Padding to the most blocks and one pass for all must change no loss, count or gradient."""
+    target, drafter, _ = parts
+    g = torch.Generator().manual_seed(3)
+    trajs = [
+        Trajectory(
+            f"s{n}",
+            "chat",
+            torch.randint(3, 90, (p,), generator=g).tolist(),
+            torch.randint(3, 90, (n,), generator=g).tolist(),
+            "",
+            "length",
+        )
+        for p, n in ((8, 12), (5, 4), (11, 9))
+    ]
+    seqs = teach(target, trajs, drafter.cfg.target_layer_ids)
+    anchors = [sample_anchors(s.prompt_len, s.tokens.numel(), None) for s in seqs]
+    assert len({a.numel() for a in anchors}) == 3  # unequal: two items are padded
+
+    def grads(loss):
+        drafter.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+
+    together = distill_batch(drafter, target, seqs, anchors)
+    g_together = grads(torch.stack([o.loss for o in together]).mean())
+    alone = [distill_sequence(drafter, target, s, a) for s, a in zip(seqs, anchors, strict=True)]
+    g_alone = grads(torch.stack([o.loss for o in alone]).mean())
+    for t, a in zip(together, alone, strict=True):
+        assert torch.allclose(t.loss, a.loss, atol=1e-5)
+        assert torch.allclose(t.head_loss, a.head_loss, atol=1e-6)
+        assert torch.equal(t.accepted, a.accepted)
+        assert torch.allclose(t.a_hat, a.a_hat, atol=1e-6)
+    assert len(g_together) == len(g_alone) > 0
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(g_together, g_alone, strict=True))
