@@ -1,4 +1,4 @@
-"""What ``cost`` costs where its drafter does not pay: four engines in lockstep on the same
+"""What ``cost`` costs where its drafter does not pay: engines in lockstep on the same
 prompts (``compare.run_lockstep``, the order of each turn seeded by the repeat), each repeat's
 tokens/s ÷ the same repeat's ``ar``:
 
@@ -6,7 +6,9 @@ tokens/s ÷ the same repeat's ``ar``:
 - ``ar+features`` — ``ar`` with the shipped drafter attached: the target pass captures the
   drafter's layers and the engine keeps their features, nobody drafts;
 - ``cost-shipped`` / ``cost-weak`` — the default policy with the shipped drafter / with
-  ``compare.weak_drafter`` (random weights).
+  ``compare.weak_drafter`` (random weights);
+- ``cost-shipped-unsunk`` — ``cost-shipped`` with ``CostPolicy.sunk_prompts`` off: a step's
+  prompt chunks priced into its plans, as before 2026-12-04 (``--engines`` picks a subset).
 
 The cost model and policy of each (engine, C) stay warm across repeats, as the study keeps them.
 
@@ -50,6 +52,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--drafter", default="assets/drafters/smollm2-135m-dflash")
+    ap.add_argument(
+        "--engines",
+        nargs="+",
+        default=["ar+features", "cost-shipped", "cost-weak"],
+        help="beside ar: ar+features cost-shipped cost-weak cost-shipped-unsunk",
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--note", default="")
     args = ap.parse_args()
@@ -64,11 +72,16 @@ def main() -> None:
     compile_now(target, [(), capture], batch_sizes(max(args.concurrency)))
     compile_s = time.time() - t0
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    engines = (
-        ("ar", None, "ar"),
-        ("ar+features", served, "ar"),
-        ("cost-shipped", served, "cost"),
-        ("cost-weak", weak, "cost"),
+    engines = tuple(
+        e
+        for e in (
+            ("ar", None, "ar"),
+            ("ar+features", served, "ar"),
+            ("cost-shipped", served, "cost"),
+            ("cost-weak", weak, "cost"),
+            ("cost-shipped-unsunk", served, "cost"),
+        )
+        if e[0] == "ar" or e[0] in args.engines
     )
     warm: dict[tuple[str, int], tuple] = {}
     cells = []
@@ -88,6 +101,8 @@ def main() -> None:
                         cmp.cell_config(cmp.ENGINE_POLICY[policy], c),
                         eos_token_ids=tuple(tok.eos_token_ids),
                     )
+                    if key.endswith("-unsunk"):
+                        e._policy.sunk_prompts = False  # type: ignore[attr-defined]
                     e.cost, e._policy = warm.setdefault((key, c), (e.cost, e._policy))
                     running[key] = e
                 cmp.LOCKSTEP_SEED = rep
