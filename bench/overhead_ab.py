@@ -6,9 +6,10 @@ tokens/s ÷ the same repeat's ``ar``:
 - ``ar+features`` — ``ar`` with the shipped drafter attached: the target pass captures the
   drafter's layers and the engine keeps their features, nobody drafts;
 - ``cost-shipped`` / ``cost-weak`` — the default policy with the shipped drafter / with
-  ``compare.weak_drafter`` (random weights);
-- ``cost-shipped-unsunk`` — ``cost-shipped`` with ``CostPolicy.sunk_prompts`` off: a step's
-  prompt chunks priced into its plans, as before 2026-12-04 (``--engines`` picks a subset).
+  ``compare.weak_drafter`` (random weights).
+
+``--engines`` picks which run beside ``ar``. (0e485f1 had a fifth, ``cost-shipped-unsunk``, for
+the A/B in docs/results/compare/overhead_ab_sunk_amx_1204.json.)
 
 The cost model and policy of each (engine, C) stay warm across repeats, as the study keeps them.
 
@@ -56,7 +57,7 @@ def main() -> None:
         "--engines",
         nargs="+",
         default=["ar+features", "cost-shipped", "cost-weak"],
-        help="beside ar: ar+features cost-shipped cost-weak cost-shipped-unsunk",
+        help="beside ar: ar+features cost-shipped cost-weak",
     )
     ap.add_argument("--out", required=True)
     ap.add_argument("--note", default="")
@@ -79,7 +80,6 @@ def main() -> None:
             ("ar+features", served, "ar"),
             ("cost-shipped", served, "cost"),
             ("cost-weak", weak, "cost"),
-            ("cost-shipped-unsunk", served, "cost"),
         )
         if e[0] == "ar" or e[0] in args.engines
     )
@@ -101,8 +101,6 @@ def main() -> None:
                         cmp.cell_config(cmp.ENGINE_POLICY[policy], c),
                         eos_token_ids=tuple(tok.eos_token_ids),
                     )
-                    if key.endswith("-unsunk"):
-                        e._policy.sunk_prompts = False  # type: ignore[attr-defined]
                     e.cost, e._policy = warm.setdefault((key, c), (e.cost, e._policy))
                     running[key] = e
                 cmp.LOCKSTEP_SEED = rep

@@ -168,12 +168,6 @@ def profile(r: Request, block_size: int) -> tuple[list[float], list[float]]:
 
 class CostPolicy(Policy):
     name = "cost"
-    # a step that carries prompt chunks pays for them whether or not anybody drafts: its plans
-    # are priced without that time (``sunk_s``), so drafting there must beat the rate of a
-    # plain decode step, not the rate of a step slowed by a prefill. False: the accounting
-    # before 2026-12-04, kept for bench/overhead_ab.py's A/B (it drafted beside every prompt
-    # chunk, and lost 3–7% at code C = 4 / 16 with the shipped drafter)
-    sunk_prompts = True
 
     def __init__(self, block_size: int, probe_every: int = 16) -> None:
         self.block_size, self.probe_every = block_size, probe_every
@@ -295,7 +289,6 @@ class CostPolicy(Policy):
             return memo[n]
 
         fixed = ctx.cost.drafter_s(len(reqs), sum(ctx.pending(r) for r in reqs))
-        fixed -= self.sunk_s(ctx, n_req)  # the prompt chunks' time, paid either way
         best_rate, best_taken = tokens / (fixed + pass_s(n_tok)), 0
         taken: list[tuple[int, int]] = []  # slots in the order they were added
         limit = ctx.budget + ctx.other_tokens
@@ -316,15 +309,6 @@ class CostPolicy(Policy):
             best[rid] = w
         return best_rate, best
 
-    def sunk_s(self, ctx: PolicyContext, n_req: int) -> float:
-        """What the step's prompt chunks add to a plain step of ``n_req`` requests: time the
-        step spends whatever is drafted (0 without prompt chunks, or with ``sunk_prompts``
-        off)."""
-        if not ctx.other_tokens or not self.sunk_prompts:
-            return 0.0
-        with_chunks = ctx.cost.target_s(n_req + ctx.other_tokens, n_req)
-        return max(with_chunks - ctx.cost.target_s(n_req, n_req), 0.0)
-
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
         self.predicted_s = self.expected_tokens = None  # prefills only: nothing planned
         self.probes = []
@@ -338,14 +322,11 @@ class CostPolicy(Policy):
         ranked: list[tuple[float, int, int]] | None = None  # every slot by survival, once
         seconds: dict[int, float] = {}
         plain_s = ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
-        sunk = self.sunk_s(ctx, len(ready))
-        plain_rate = len(ready) / (plain_s - sunk)
+        plain_rate = len(ready) / plain_s
         self.predicted_s = plain_s  # unless somebody drafts (``widths``)
         # what bounds every plan below: a drafting step's target pass costs at least the plain
         # one (or the narrowest wider pass, where a fitted line tilts below it)
-        least_pass = (
-            min(plain_s, ctx.cost.target_s(len(ready) + ctx.other_tokens + 1, len(ready))) - sunk
-        )
+        least_pass = min(plain_s, ctx.cost.target_s(len(ready) + ctx.other_tokens + 1, len(ready)))
         best_n, best_rate = 0, plain_rate
         tokens, pending = float(len(ready)), 0
         for n, r in enumerate(order, 1):

@@ -554,27 +554,3 @@ def test_a_cold_request_count_never_drafts_below_its_measured_plain_step():
     ctx.requests = 8
     assert policy.drafters(reqs, ctx) == []
     assert policy.predicted_s == 0.033 + policy.draft_s  # the plain step (and any probe)
-
-
-def test_a_prompt_chunk_does_not_lower_the_bar_for_drafting():
-    """A step that carries a prompt chunk pays for it either way: drafting beside it must beat
-    a plain decode step's rate (~24.7 tok/s here), not that step's diluted one (~7 tok/s).
-    A request whose drafts return ~14 tok/s of drafter and verify time drafts nowhere; priced
-    the old way (``sunk_prompts`` off) it drafted beside every prompt chunk."""
-    k = 8
-    cost = CostModel()
-    for n in [*range(1, 40), 200, 240]:  # 40 ms a pass + 0.5 ms a token; drafter 10 ms
-        cost.observe_target(n, 1, 0.040 + 0.0005 * n)
-        cost.observe_drafter(1, 0.010)
-    policy = CostPolicy(k)
-    r = req(0)
-    for i in range(40):  # the first draft is accepted in one round of six, the rest never
-        policy.observe(r, k, int(i % 6 == 0), k)
-    first = policy.survival(r, k)[0]
-    assert 7.5 < first / (0.010 + 0.0005) < 24  # between the diluted and the plain rate
-    plain = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
-    chunk = PolicyContext(k, 1.0, cost, budget=512, other_tokens=200)
-    assert policy.drafters([r], plain) == []
-    assert policy.drafters([r], chunk) == []
-    policy.sunk_prompts = False
-    assert policy.drafters([r], chunk) == [r]
