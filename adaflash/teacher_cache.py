@@ -139,6 +139,73 @@ def teach(
     return out
 
 
+@torch.no_grad()
+def teach_hf(
+    model: Any,
+    trajectories: Sequence[Trajectory],
+    layer_ids: tuple[int, ...],
+    top_k: int = TOP_K,
+    max_tokens: int = 16384,
+) -> list[CachedSequence]:
+    """``teach`` through a Hugging Face causal LM (``model``: the same weights as the target)
+    in right-padded batches of up to ``max_tokens`` (padded) tokens: a GPU runs each batch as a
+    few large kernels, where the engine's packed pass loops over requests. Layer i's output is
+    ``hidden_states[i + 1]``, as the engine captures it (the last layer's is normed there, so it
+    is refused); the LM head runs on the teaching rows only."""
+    n_layers = model.config.num_hidden_layers
+    if max(layer_ids) >= n_layers - 1:
+        raise ValueError(f"layer {max(layer_ids)}: HF returns the last layer's output normed")
+    device = next(model.parameters()).device
+    usable = [t for t in trajectories if len(t.response_ids) >= 2]
+    order = sorted(  # by length: little padding
+        range(len(usable)), key=lambda j: len(usable[j].prompt_ids) + len(usable[j].response_ids)
+    )
+    out: dict[int, CachedSequence] = {}
+    i = 0
+    while i < len(usable):
+        idx = order[i : i + 1]
+        width = len(usable[idx[0]].prompt_ids) + len(usable[idx[0]].response_ids)
+        while i + len(idx) < len(usable):
+            nxt = usable[order[i + len(idx)]]
+            n = len(nxt.prompt_ids) + len(nxt.response_ids)
+            if (len(idx) + 1) * max(width, n) > max_tokens:
+                break
+            idx.append(order[i + len(idx)])
+            width = max(width, n)
+        i += len(idx)
+        group = [usable[j] for j in idx]
+        seqs = [t.prompt_ids + t.response_ids for t in group]
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for b, seq in enumerate(seqs):  # right-padded: a causal pass never sees the pad
+            ids[b, : len(seq)] = torch.tensor(seq)
+            mask[b, : len(seq)] = 1
+        res = model.model(
+            input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True
+        )
+        feats = torch.cat([res.hidden_states[j + 1] for j in layer_ids], dim=-1)  # (B, W, K·H)
+        for b, (j, t, seq) in enumerate(zip(idx, group, seqs, strict=True)):
+            rows = torch.arange(len(t.prompt_ids), len(seq) - 1, device=device)
+            if top_k:
+                logits = model.lm_head(res.last_hidden_state[b, rows])  # (R, V)
+                top_ids, top_logp, tail = topk_rows(logits, top_k)
+            else:
+                top_ids = torch.zeros(rows.numel(), 0, dtype=torch.long)
+                top_logp, tail = torch.zeros(rows.numel(), 0), torch.zeros(rows.numel())
+            out[j] = CachedSequence(
+                t.id,
+                t.domain,
+                torch.tensor(seq),
+                len(t.prompt_ids),
+                feats[b, : len(seq)].cpu().clone(),
+                top_ids.cpu().clone(),
+                top_logp.float().cpu().clone(),
+                tail.float().cpu().clone(),
+                model.config.vocab_size,
+            )
+    return [out[j] for j in range(len(usable))]
+
+
 def _packs(items: Sequence[Trajectory], max_tokens: int) -> Iterator[list[Trajectory]]:
     group: list[Trajectory] = []
     size = 0

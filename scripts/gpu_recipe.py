@@ -2,7 +2,8 @@
 
 1. on-policy data: the target answers the shipped chat and code training prompts (greedy,
    Hugging Face ``generate`` in large left-padded batches on the GPU) for ``--gen-minutes``;
-2. the teacher once per trajectory (``adaflash.teacher_cache.teach``: features + top-K);
+2. the teacher once per trajectory (features + top-K): on CUDA through transformers in padded
+   batches (``teacher_cache.teach_hf``), on a CPU through the engine (``teach``);
 3. distillation with Lightning on the GPU (bf16 autocast) for ``--train-minutes``, from scratch
    or continuing ``--init``;
 4. the drafter folder (DFlash format + draft vocabulary + model card) in ``--out``, with the
@@ -16,7 +17,11 @@ Without CUDA it runs on the CPU (slowly: that is what the tests do at a tiny sca
 
 Measured on one H200 (2026-12-04, a run cut off before training by a fixed outer time limit,
 which is why ``--minutes`` exists): generation at batch 512 gave 3,684 answers (548,714 response
-tokens) in 103 s; the teacher over them in 2,048-token packs took 160 s.
+tokens) in 103 s; the teacher over them in 2,048-token packs took 160 s. The run that made the
+shipped drafter (``--minutes 8.5``, the engine's teacher in 16,384-token packs, training one
+sequence at a time): 3,584 answers in 129 s, the teacher over 2,816 of them in 159 s, 177 s of
+training at ~29 ms a sequence (591K blocks). The transformers teacher and the batched training
+step (``distill.distill_batch``) came after it and have not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from adaflash.models.draft_vocab import build_draft_vocab, count_tokens, coverag
 from adaflash.models.drafter import load_drafter
 from adaflash.models.target import load_target
 from adaflash.pull import resolve_target
-from adaflash.teacher_cache import teach
+from adaflash.teacher_cache import CachedSequence, teach, teach_hf
 from adaflash.tokenizer import Tokenizer
 from adaflash.workloads import Trajectory, load_prompts
 from lightning_modules.train import fit, new_drafter, save_run
@@ -117,6 +122,13 @@ def main() -> None:
         default=None,
         help="tokens per teacher pass (default: 16384 on CUDA, 2048 on a CPU)",
     )
+    ap.add_argument(
+        "--teacher",
+        choices=["hf", "engine"],
+        default=None,
+        help="the teacher pass: transformers in padded batches (``teach_hf``, default on CUDA: "
+        "the engine's packed pass took 159 s for 2,816 answers on an H200) or the engine's",
+    )
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=16384)
@@ -188,7 +200,21 @@ def main() -> None:
     )
     drafter.to(args.device)
     pack = args.teach_tokens or (16384 if args.device == "cuda" else 2048)
-    held_seqs = teach(target, held, drafter.cfg.target_layer_ids, max_tokens=pack)
+    layer_ids = drafter.cfg.target_layer_ids
+    if (args.teacher or ("hf" if args.device == "cuda" else "engine")) == "hf":
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).to(args.device)
+        hf.eval()
+
+        def run_teacher(part: list[Trajectory]) -> list[CachedSequence]:
+            return teach_hf(hf, part, layer_ids, max_tokens=pack)
+    else:
+
+        def run_teacher(part: list[Trajectory]) -> list[CachedSequence]:
+            return teach(target, part, layer_ids, max_tokens=pack)
+
+    held_seqs = run_teacher(held)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed)).tolist()
     seqs = []  # in a shuffled order, so that a teacher cut short by the budget keeps both domains
     for i in range(0, len(order), 256):
@@ -196,7 +222,7 @@ def main() -> None:
             print(f"[recipe] teacher budget spent: {len(seqs)} of {len(train)} taught", flush=True)
             break
         part = [train[j] for j in order[i : i + 256]]
-        seqs += teach(target, part, drafter.cfg.target_layer_ids, max_tokens=pack)
+        seqs += run_teacher(part)
     t_teach = time.time() - t0 - t_gen
     print(f"[recipe] teacher over {len(seqs)} sequences in {t_teach:.0f} s", flush=True)
     curve_sets = {d: [s for s in held_seqs if s.domain == d] for d in ("chat", "code")}

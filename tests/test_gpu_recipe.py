@@ -28,6 +28,7 @@ def test_gpu_recipe_runs_end_to_end_on_the_cpu(tmp_path):
         "--draft-vocab", "40",
         "--anchors", "4",
         "--batch-size", "2",
+        "--teacher", "hf",  # what CUDA runs by default
         "--mask-token-id", str(VOCAB - 1),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from adaflash.models.target import PackedBatch, load_target
-from adaflash.teacher_cache import TeacherCache, build_cache, cache_key, teach
+from adaflash.teacher_cache import TeacherCache, build_cache, cache_key, teach, teach_hf
 from adaflash.workloads import Trajectory
 from tests.tiny import build_checkpoint
 
@@ -57,6 +57,26 @@ def test_teach_equals_a_direct_pass_per_sequence(setup):
         rows = torch.tensor([len(t.prompt_ids), len(tokens) - 2])
         tt = s.teacher(rows, None)
         assert torch.equal(tt.top1, logp[[0, -1]].argmax(-1))
+
+
+def test_the_hugging_face_teacher_equals_the_engines(setup):
+    """``teach_hf`` (right-padded batches through transformers, what the GPU recipe runs) keeps
+    what ``teach`` keeps, in the trajectories' order; the last layer (normed by HF) is refused."""
+    from transformers import AutoModelForCausalLM
+
+    folder, target, trajs = setup
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = teach(target, trajs, LAYERS, top_k=5)
+    got = teach_hf(model, trajs, LAYERS, top_k=5, max_tokens=70)  # several padded batches
+    assert [s.id for s in got] == [t.id for t in trajs]
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
+        assert torch.allclose(a.features, b.features, atol=1e-4)
+        assert torch.equal(a.top_ids, b.top_ids)
+        assert torch.allclose(a.top_logp, b.top_logp, atol=1e-4)
+        assert torch.allclose(a.tail_logp, b.tail_logp, atol=1e-4)
+    with pytest.raises(ValueError, match="normed"):
+        teach_hf(model, trajs, (1, 4), top_k=5)
 
 
 def test_cache_on_disk_resumes_and_reads_back(setup, tmp_path):

@@ -15,7 +15,7 @@ python3 scripts/remote_gpu/convert.py $G/m.gguf $T .dev/manifest.json 2>&1 | gre
 [ -f $T/model.safetensors ] || exit 5
 python3 scripts/gpu_recipe.py --out $S/drafter --target $T --minutes ${MINUTES:-8.5} \
   --init assets/drafters/smollm2-135m-dflash --prompts ${PROMPTS:-2000} --gen-minutes 1.5 \
-  --anchors 128 --batch-size 8 --curve-every 1000000 2>&1 | grep --line-buffered -v "it/s" \
+  --anchors 128 --batch-size 16 --curve-every 1000000 2>&1 | grep --line-buffered -v "it/s" \
   | tee $OUT/log.txt
 cd $S/drafter && split -b 15M model.safetensors $OUT/model.safetensors.part- \
   && tar cf $OUT/card.tar README.md config.json draft_vocab.json training.json \
