@@ -13,7 +13,7 @@ OUT=${1:-assets/drafters/smollm2-135m-dflash}
 #   python scripts/gpu_recipe.py --out DIR --init data/drafters/run3 --minutes 8.5 \
 #     --prompts 2000 --gen-minutes 1.5 --anchors 128 --batch-size 8 --curve-every 1000000
 # (scripts/remote_gpu/ stages it on a host without a registry). Bring DIR back and pass it as
-# GPU_RUN=DIR to ship it instead of run 3; without GPU_RUN the chain's last CPU run is shipped.
+# GPU_RUN=DIR: a further CPU run (run 5) continues it and is shipped; without GPU_RUN, run 3 is.
 RUNS=${RUNS:-3}
 RUN_MINUTES=${RUN_MINUTES:-45}
 CODE_PROMPTS=${CODE_PROMPTS:-1200}
@@ -56,8 +56,17 @@ title="SmolLM2-135M-Instruct DFlash drafter (chat + code, k = 8)"
 if [ -n "${GPU_RUN:-}" ]; then
   .venv/bin/python scripts/curve_point.py "$GPU_RUN" --run "gpu run 1 (H200, 8.5 min)" \
     --check "$prev" --curve docs/results/drafter/learning_curve.json
-  prev=$GPU_RUN
-  title="SmolLM2-135M-Instruct DFlash drafter (chat + code, k = 8; GPU run 1)"
+  # then one more chained CPU run on the chat + code data above (42 min on one AMX core)
+  run=data/drafters/run5
+  if [ ! -f $run/training.json ]; then
+    ./dev.sh train $D/chat_greedy.jsonl $D/code_greedy.jsonl --init "$GPU_RUN" \
+      --val $D/chat_eval.jsonl $D/code_eval.jsonl $D/math_eval.jsonl \
+      --cache data/cache --bf16-autocast --epochs 100 --lr 5e-4 --max-minutes 42 \
+      --curve docs/results/drafter/learning_curve.json --curve-every 100000 --threads 1 \
+      --out $run --title "run 5 (CPU, AMX, after gpu run 1)" --seed 0
+  fi
+  prev=$run
+  title="SmolLM2-135M-Instruct DFlash drafter (chat + code, k = 8; CPU runs 1-3, GPU run 1, run 5)"
 fi
 .venv/bin/python bench/eval_drafter.py --drafter "$prev" --domains chat code math --prompts 16 \
   --max-new-tokens 64 --threads 2 --out docs/results/default_drafter_eval.json
