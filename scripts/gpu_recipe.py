@@ -17,8 +17,8 @@ Without CUDA it runs on the CPU (slowly: that is what the tests do at a tiny sca
 
 Measured on one H200 (2026-12-04, a run cut off before training by a fixed outer time limit,
 which is why ``--minutes`` exists): generation at batch 512 gave 3,684 answers (548,714 response
-tokens) in 103 s; the teacher over them in 2,048-token packs took 160 s. The run that made the
-shipped drafter (``--minutes 8.5``, the engine's teacher in 16,384-token packs, training one
+tokens) in 103 s; the teacher over them in 2,048-token packs took 160 s. The run the shipped
+drafter continues (``--minutes 8.5``, the engine's teacher in 16,384-token packs, training one
 sequence at a time): 3,584 answers in 129 s, the teacher over 2,816 of them in 159 s, 177 s of
 training at ~29 ms a sequence (591K blocks). The transformers teacher and the batched training
 step (``distill.distill_batch``) came after it and have not run on a GPU yet.
