@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -225,6 +226,22 @@ def replay(
         for acc, n_valid in zip(accepted.tolist(), valid.sum(1).tolist(), strict=True):
             counters.add_round(verify_len=n_valid + 1, accepted=acc, drafted=k - 1)
     return counters
+
+
+CURVE_ANCHORS = 32  # anchors per held-out sequence in a learning-curve point
+
+
+def curve_taus(
+    drafter: DFlashDrafter, target: TargetModel, sets: dict[str, Sequence[CachedSequence]]
+) -> dict[str, Any]:
+    """One learning-curve point's measures: ``replay`` per held-out set (``CURVE_ANCHORS``
+    anchors, seed 0) → ``tau_<set>`` and ``slots_<set>`` (per-slot acceptance)."""
+    point: dict[str, Any] = {}
+    for name, seqs in sets.items():
+        c = replay(drafter, target, seqs, anchors_per_seq=CURVE_ANCHORS, seed=0)
+        point[f"tau_{name}"] = round(c.accept_len, 4)
+        point[f"slots_{name}"] = [None if a is None else round(a, 4) for a in c.slot_acceptance]
+    return point
 
 
 def simulate_acceptance(

@@ -19,7 +19,7 @@ import lightning as L
 import torch
 
 from adaflash.config import DistillConfig
-from adaflash.distill import distill_batch, replay, sample_anchors
+from adaflash.distill import curve_taus, distill_batch, replay, sample_anchors
 from adaflash.metrics import SpecCounters
 from adaflash.models.draft_vocab import lookup_table
 from adaflash.models.drafter import DFlashDrafter
@@ -141,10 +141,7 @@ class DrafterDistillation(L.LightningModule):
                 4,
             ),
         }
-        for name, seqs in self.curve_sets.items():
-            c = replay(self.drafter, self.target, seqs, anchors_per_seq=32, seed=0)
-            point[f"tau_{name}"] = round(c.accept_len, 4)
-            point[f"slots_{name}"] = [None if a is None else round(a, 4) for a in c.slot_acceptance]
+        point.update(curve_taus(self.drafter, self.target, self.curve_sets))
         self.drafter.train(was_training)
         return point
 

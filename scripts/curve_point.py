@@ -1,6 +1,6 @@
 """Add a drafter trained outside the chain (``scripts/gpu_recipe.py`` on another machine) to the
 learning curve: replay it on the curve's held-out sets exactly as ``adaflash train --curve``
-does (the first ``--seqs`` trajectories of each eval file, 32 anchors, seed 0, target in bf16,
+does (``distill.curve_taus`` on the first ``--seqs`` trajectories of each eval file, target in bf16,
 drafter in fp32) and append the point at the drafter's cumulative blocks seen. ``--check``
 drafters are measured the same way and only printed (to see how far a re-measure of a point
 already on the curve moves on this machine).
@@ -20,25 +20,33 @@ from typing import Any
 
 import torch
 
-from adaflash.distill import replay
+from adaflash.distill import curve_taus
 from adaflash.models.drafter import load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.pull import resolve_target
-from adaflash.teacher_cache import teach
+from adaflash.teacher_cache import CachedSequence, teach
 from adaflash.workloads import Trajectory
 
 EVAL = "assets/trajectories/{domain}_eval.jsonl.gz"
 
 
-def measure(folder: str, target: TargetModel, sets: dict[str, list[Trajectory]]) -> dict[str, Any]:
+def measure(
+    folder: str,
+    target: TargetModel,
+    sets: dict[str, list[Trajectory]],
+    taught: dict[tuple[int, ...], dict[str, list[CachedSequence]]],
+) -> dict[str, Any]:
+    """``curve_taus`` of one drafter folder; ``taught`` keeps the held-out features per set of
+    target layers, so drafters of one target share one teacher pass."""
     drafter = load_drafter(folder, "float32").eval()
-    point: dict[str, Any] = {}
-    for domain, trajs in sets.items():
-        seqs = teach(target, trajs, drafter.cfg.target_layer_ids, top_k=0)
-        c = replay(drafter, target, seqs, anchors_per_seq=32, seed=0)
-        point[f"tau_{domain}"] = round(c.accept_len, 4)
-        point[f"slots_{domain}"] = [None if a is None else round(a, 4) for a in c.slot_acceptance]
-    return point
+    layers = tuple(drafter.cfg.target_layer_ids)
+    if layers not in taught:
+        taught[layers] = {d: teach(target, t, layers, top_k=0) for d, t in sets.items()}
+    return curve_taus(drafter, target, taught[layers])
+
+
+def taus(point: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in point.items() if k.startswith("tau_")}
 
 
 def main() -> None:
@@ -58,22 +66,23 @@ def main() -> None:
         with gzip.open(EVAL.format(domain=d), "rt", encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
         sets[d] = [Trajectory(**r) for r in rows][: args.seqs]
+    taught: dict[tuple[int, ...], dict[str, list[CachedSequence]]] = {}
     for folder in args.check:
-        taus = {k: v for k, v in measure(folder, target, sets).items() if k.startswith("tau_")}
-        print(f"check {folder}: {taus}", flush=True)
+        point = measure(folder, target, sets, taught)
+        print(f"check {folder}: {taus(point)}", flush=True)
     card = json.loads((Path(args.drafter) / "training.json").read_text())
     point = {
         "blocks": int(card["result"]["blocks_seen"]),
         "elapsed_s": card["result"].get("seconds"),
         "draft_loss": card["result"].get("final_draft_loss"),
-        **measure(args.drafter, target, sets),
+        **measure(args.drafter, target, sets, taught),
         "run": args.run,
     }
     path = Path(args.curve)
     curve = json.loads(path.read_text())
     curve["points"] = [p for p in curve["points"] if p["blocks"] < point["blocks"]] + [point]
     path.write_text(json.dumps(curve, indent=1) + "\n")
-    print(f"appended {args.run}: { ({k: v for k, v in point.items() if k.startswith('tau_')}) }")
+    print(f"appended {args.run}: {taus(point)}")
 
 
 if __name__ == "__main__":
