@@ -73,6 +73,7 @@ from adaflash.pull import cache_dir
 
 if TYPE_CHECKING:
     from adaflash.models.kv_cache import KVCache
+    from adaflash.models.layers import Packed
     from adaflash.models.target import DecoderLayer, TargetModel
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,9 @@ class _Step(nn.Module):
         self.attention_op = attention and cpu and gemv_kernel.available()
         self.qkv = nn.ParameterList()
         self.gate_up = nn.ParameterList()
+        # the weights in panels where the kernel packs them (``models/gemv.py``), shared with
+        # the eager step: per layer q|k|v, o, gate|up, down, then the LM head (``panel``)
+        found: list[torch.Tensor | None] = []
         for layer in cast("list[DecoderLayer]", target.layers):
             a, m = layer.self_attn, layer.mlp
             qkv = (
@@ -268,6 +272,24 @@ class _Step(nn.Module):
             )
             self.qkv.append(nn.Parameter(qkv.detach(), requires_grad=False))
             self.gate_up.append(nn.Parameter(gu.detach(), requires_grad=False))
+            if self.gemv_rows:
+                found += [
+                    _panels(a.qkv_packed, qkv, a.qkv_bias),
+                    _panels(a.o_proj.packed, a.o_proj.weight, a.o_proj.bias),
+                    _panels(m.gate_up_packed, gu, m.gate_up_bias),
+                    _panels(m.down_proj.packed, m.down_proj.weight, m.down_proj.bias),
+                ]
+        if self.gemv_rows:
+            found.append(_panels(target.lm_head.packed, target.lm_head.weight, None))
+        self.panels = nn.ParameterList(
+            nn.Parameter(p, requires_grad=False) for p in found if p is not None
+        )
+        # where each weight's panels are in ``panels`` (None: it has none)
+        self.panel_at: list[int | None] = []
+        count = 0
+        for p in found:
+            self.panel_at.append(None if p is None else count)
+            count += p is not None
 
     def run(
         self,
@@ -286,7 +308,7 @@ class _Step(nn.Module):
         for i, layer in enumerate(cast("list[DecoderLayer]", t.layers)):
             a, m = layer.self_attn, layer.mlp
             nh, kvh, d = a.heads, a.kv_heads, a.head_dim
-            qkv = self.linear(layer.input_layernorm(x), self.qkv[i], a.qkv_bias)
+            qkv = self.linear(layer.input_layernorm(x), self.qkv[i], a.qkv_bias, self.panel(i, 0))
             q, k, v = qkv.split([nh * d, kvh * d, kvh * d], dim=-1)
             q, k, v = q.view(b * n, nh, d), k.view(b * n, kvh, d), v.view(b * n, kvh, d)
             if a.q_norm is not None and a.k_norm is not None:
@@ -301,13 +323,16 @@ class _Step(nn.Module):
                 o = o.view(b * n, nh * d)
             else:
                 o = self.attend(q, k, v, pool[rows, i], pos, ahead).to(x.dtype)
-            x = x + self.linear(o, a.o_proj.weight, a.o_proj.bias)
+            x = x + self.linear(o, a.o_proj.weight, a.o_proj.bias, self.panel(i, 1))
             h = layer.post_attention_layernorm(x)
-            gate, up = self.linear(h, self.gate_up[i], m.gate_up_bias).chunk(2, dim=-1)
-            x = x + self.linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias)
+            gu = self.linear(h, self.gate_up[i], m.gate_up_bias, self.panel(i, 2))
+            gate, up = gu.chunk(2, dim=-1)
+            down = self.panel(i, 3)
+            x = x + self.linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias, down)
             if i in self.capture:
                 captured[i] = x
-        logits = self.linear(t.norm(x), t.lm_head.weight, None).float()  # (B·T, V)
+        head = self.panel(len(t.layers), 0)
+        logits = self.linear(t.norm(x), t.lm_head.weight, None, head).float()  # (B·T, V)
         features = torch.cat([captured[i] for i in self.capture], -1) if self.capture else None
         # (B·T, V), (layers, 2, B, T, kv_heads, d), (B·T, K·H)
         return logits, torch.stack(new_kv), features
@@ -338,13 +363,28 @@ class _Step(nn.Module):
         o = torch.matmul(p[..., :cap], values) + torch.matmul(p[..., cap:], vn)
         return o.permute(0, 3, 1, 2, 4).reshape(b * n, nh * d)  # (B·T, nh·d)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear``; few rows of bf16 through the GEMV kernel where one serves
-        (``models/gemv.py``); widened, the weights are fp32 (folded into fp32 constants when the
-        graph freezes them) and the product is rounded back to the activations' dtype."""
+    def panel(self, layer: int, which: int) -> torch.Tensor | None:
+        """Layer ``layer``'s weight ``which`` (0 q|k|v, 1 o, 2 gate|up, 3 down; the LM head
+        after the last layer) in panels, or None."""
+        at = self.panel_at[4 * layer + which] if self.panel_at else None
+        return None if at is None else self.panels[at]
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        panels: torch.Tensor | None = None,  # w packed in panels, where it is
+    ) -> torch.Tensor:
+        """``F.linear``; few rows of bf16 through the kernel where one serves
+        (``models/gemv.py``: the weight's panels, else the GEMV kernel); widened, the weights
+        are fp32 (folded into fp32 constants when the graph freezes them) and the product is
+        rounded back to the activations' dtype."""
         if not self.widen:
             rows = self.gemv_rows
             if b is None and rows and x.numel() <= rows * x.shape[-1]:
+                if panels is not None:
+                    return gemv_kernel.panel_linear(x, panels)
                 return gemv_kernel.gemv(x, w)
             return F.linear(x, w, b)
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
@@ -377,6 +417,18 @@ class BatchDecodeStep(_Step):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         logits, new_kv, features = self.run(ids[:, None], pos, pool, rows)
         return logits, new_kv[:, :, :, 0], features  # (B, V), (layers, 2, B, kv_heads, d), (B, K·H)
+
+
+def _panels(
+    packed: Packed | None, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The weight's panels: the eager step's where it packed them (one copy for both), else
+    packed here; None where they do not serve (a bias, a shape that does not fit)."""
+    if bias is not None:
+        return None
+    if packed is not None and packed.panels is not None:
+        return packed.panels
+    return gemv_kernel.pack_panels(weight)
 
 
 def own_code(step: _Step) -> _Step:

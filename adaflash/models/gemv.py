@@ -83,16 +83,21 @@ class Variant:
     limit: int  # the most rows the GEMV op accepts
     # the attention op's work (positions × heads × d) per thread, at least (csrc/decode_attention)
     attention_split: int = 1 << 21
+    # weights packed in panels (``pack_panels``, ``csrc/gemm_bf16_panels.cpp``) take every
+    # projection whose shape fits, in compiled steps up to this many rows (0: no panels here;
+    # ``max_rows`` then), in eager ones any
+    panel_rows: int = 0
 
 
 AVX512_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp")
-AVX512_BF16 = Variant(
+AVX512_BF16 = Variant(  # the panels kernel where a weight's shape fits, else the GEMV kernel
     "avx512_bf16",
-    (CSRC / "gemv_bf16.cpp",),
+    (CSRC / "gemv_bf16.cpp", CSRC / "gemm_bf16_panels.cpp"),
     AVX512_FLAGS,
-    max_rows=1,
+    max_rows=1,  # the GEMV kernel's, without panels (``ADAFLASH_PANELS=0``)
     eager_rows=4,
     limit=4,
+    panel_rows=16,  # the widest compiled step (16 verified tokens, 16 requests)
 )
 AMX = Variant(  # the AVX512-BF16 kernel for one row, AMX tiles for more (``linear_amx.cpp``)
     "amx",
@@ -140,7 +145,17 @@ def max_rows() -> int:
     """Compiled steps' inputs of up to this many rows go through the kernel (0 where none
     serves)."""
     chosen = serving()
-    return chosen.max_rows if chosen is not None else 0
+    if chosen is None:
+        return 0
+    return chosen.panel_rows if panels() else chosen.max_rows
+
+
+def panels() -> bool:
+    """Whether weights are packed in panels here (``pack_panels``; ``ADAFLASH_PANELS=0``
+    switches them off, leaving the GEMV kernel)."""
+    chosen = serving()
+    on = os.environ.get("ADAFLASH_PANELS", "1") != "0"
+    return chosen is not None and chosen.panel_rows > 0 and on
 
 
 def eager_rows() -> int:
@@ -205,6 +220,13 @@ def register_fake() -> None:
         def _amx(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return x.new_empty((x.shape[0], w.shape[0]))
 
+    chosen = variant()
+    if chosen is not None and chosen.panel_rows:
+
+        @torch.library.register_fake("adaflash::gemm_bf16_panels")
+        def _panels(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+            return x.new_empty((x.shape[0], wp.shape[0] * PANEL))
+
     @torch.library.register_fake("adaflash::decode_attention")
     def _attention(
         q: torch.Tensor,
@@ -237,6 +259,28 @@ def amx_fits(weight: torch.Tensor) -> bool:
     """Whether AMX tiles take this weight (N, K): N % 64 == 0 and K % 32 == 0."""
     n, k = weight.shape
     return n % 64 == 0 and k % 32 == 0
+
+
+PANEL = 32  # output features per panel (``csrc/gemm_bf16_panels.cpp``)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """W (N, K) bf16 → (N/32, K/2, 32, 2): ``wp[p, k2, f, j] = W[32p + f, 2 k2 + j]``, each panel
+    of 32 output features one contiguous stream in vdpbf16ps's operand layout; None where the
+    shape does not fit (N % 32, K % 2) or panels do not serve here."""
+    n, k = weight.shape
+    if not panels() or weight.dtype != torch.bfloat16 or n % PANEL or k % 2:
+        return None
+    w = weight.detach().contiguous()
+    return w.view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x (..., K) · Wᵀ through W's panels (``pack_panels``) → (..., N), any number of rows:
+    the same as ``F.linear(x, W)`` up to the order of fp32 additions."""
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    y = torch.ops.adaflash.gemm_bf16_panels(x2, panels)  # (M, N)
+    return y.view(*x.shape[:-1], panels.shape[0] * PANEL)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -50,13 +50,17 @@ class Packed:
     uses; bit-identical to ``F.linear``) for few rows, and an fp32 copy for ``min_rows`` rows and
     more where that is faster (no native bf16): more memory, several times less time.
     ``gemv_rows``: inputs of up to this many rows go through the bf16 GEMV kernel
-    (``models/gemv.py``; 0: none), which reads the weight as it is (no copy)."""
+    (``models/gemv.py``; 0: none), which reads the weight as it is (no copy). ``panels``: the
+    weight packed for the panels kernel (``gemv.pack_panels``), which then takes every input
+    instead of the others (it beat oneDNN's prepacked weights from 1 to 512 rows where it
+    serves), and the compiled steps share it."""
 
     onednn: torch.Tensor | None
     fp32: torch.Tensor | None = None
     fp32_bias: torch.Tensor | None = None
     min_rows: int = 0
     gemv_rows: int = 0
+    panels: torch.Tensor | None = None
 
 
 def pack(
@@ -68,6 +72,9 @@ def pack(
     memory-bound shapes (the LM head: ×2)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
+    panels = gemv_kernel.pack_panels(weight) if bias is None else None
+    if panels is not None:
+        return Packed(None, panels=panels)
     gemv_rows = gemv_kernel.eager_rows() if bias is None else 0  # reads the weight as it is
     onednn = None
     use_onednn = os.environ.get("ADAFLASH_PACKED_WEIGHTS", "1") != "0"
@@ -91,6 +98,8 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear``, through the fastest ``Packed`` copy for this many rows."""
     if packed is not None:
+        if packed.panels is not None:
+            return gemv_kernel.panel_linear(x, packed.panels)
         if packed.gemv_rows and x.numel() <= packed.gemv_rows * x.shape[-1]:
             return gemv_kernel.gemv(x, weight)
         if packed.fp32 is not None and x.numel() >= packed.min_rows * x.shape[-1]:

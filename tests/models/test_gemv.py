@@ -52,10 +52,11 @@ def test_it_runs_inside_a_compiled_function_and_keeps_leading_dims():
 
 def test_few_rows_go_through_the_kernel_more_rows_do_not(monkeypatch):
     g = torch.Generator().manual_seed(2)
-    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    w = (torch.randn(90, 64, generator=g) * 0.1).bfloat16()  # 90 rows: no panels (N % 32)
     packed = pack(w)
     rows = gemv.eager_rows()  # eager projections (compiled steps: ``max_rows``)
-    assert packed is not None and packed.gemv_rows == rows >= gemv.max_rows() >= 1
+    assert packed is not None and packed.panels is None
+    assert packed.gemv_rows == rows >= 1 and gemv.max_rows() >= 1
     calls = []
     real = gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda x, w: calls.append(x.shape) or real(x, w))
@@ -192,3 +193,59 @@ def test_the_attention_op_splits_its_work_over_threads_without_changing_it():
     finally:
         torch.ops.adaflash.set_attention_split(chosen.attention_split)
         torch.set_num_threads(threads)
+
+
+needs_panels = pytest.mark.skipif(not gemv.panels(), reason="no panels kernel for this CPU")
+
+
+@needs_panels
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 41, 130])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (64, 1536), (32, 2), (96, 100)])
+def test_panels_are_the_product_rounded_to_bf16(m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    wp = gemv.pack_panels(w)
+    assert wp is not None and wp.shape == (n // 32, k // 2, 32, 2)
+    assert torch.equal(wp[1 % (n // 32), 0, 3], w[32 * (1 % (n // 32)) + 3, :2])  # the layout
+    got, want = gemv.panel_linear(x, wp).float(), reference(x, w)
+    assert got.shape == (m, n)
+    assert torch.all((got - want).abs() <= want.abs() * 2**-8 + 1e-3)
+    assert (got - want.bfloat16().float()).abs().max() <= want.abs().max() * 2**-7
+
+
+@needs_panels
+def test_weights_that_fit_take_panels_for_every_row_count_and_the_rest_do_not(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(64, 48, generator=g) * 0.1).bfloat16()
+    packed = pack(w)
+    assert packed is not None and packed.panels is not None and packed.onednn is None
+    calls = []
+    real = gemv.panel_linear
+    monkeypatch.setattr(gemv, "panel_linear", lambda x, p: calls.append(x.shape) or real(x, p))
+    for m in (1, 5, 300):
+        x = torch.randn(2, m, 48, generator=g).bfloat16()  # leading dims kept
+        out = linear(x, w, None, packed)
+        assert out.shape == (2, m, 64)
+        assert torch.equal(out, real(x, packed.panels))
+    assert calls == [(2, 1, 48), (2, 5, 48), (2, 300, 48)]
+    assert gemv.pack_panels(w[:40]) is None and gemv.pack_panels(w[:, :47]) is None  # N%32, K%2
+    assert pack(w, torch.zeros(64).bfloat16()).panels is None  # a bias: not through panels
+    monkeypatch.setenv("ADAFLASH_PANELS", "0")  # switched off: the GEMV kernel as before
+    assert not gemv.panels() and gemv.max_rows() == gemv.variant().max_rows
+    assert pack(w).panels is None
+
+
+@needs_panels
+def test_panels_run_inside_a_compiled_function_and_refuse_bad_inputs():
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 64, generator=g).bfloat16(), torch.randn(32, 64, generator=g).bfloat16()
+    wp = gemv.pack_panels(w)
+    fn = torch.compile(lambda a, b: gemv.panel_linear(a, b) * 2, fullgraph=True)
+    assert torch.equal(fn(x, wp), gemv.panel_linear(x, wp) * 2)
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.adaflash.gemm_bf16_panels(x.float(), wp)
+    with pytest.raises(RuntimeError, match="K = 2"):
+        torch.ops.adaflash.gemm_bf16_panels(x[:, :62], wp)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.adaflash.gemm_bf16_panels(x, wp.transpose(1, 2))
