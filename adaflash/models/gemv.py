@@ -1,5 +1,5 @@
-"""bf16 GEMV kernels for decoding on CPUs: AVX512-BF16 (``csrc/gemv_bf16.cpp``), with AMX tiles
-where the CPU has AMX-BF16 (``csrc/linear_amx.cpp``), and, where the CPU has no native bf16, AVX2
+"""bf16 GEMV kernels for decoding on CPUs: AVX512-BF16 (``csrc/gemv_bf16.cpp``; without AMX
+weights in panels, ``csrc/gemm_bf16_panels.cpp``), with AMX tiles where the CPU has AMX-BF16 (``csrc/linear_amx.cpp``), and, where the CPU has no native bf16, AVX2
 + FMA (``csrc/gemv_bf16_avx2.cpp``).
 
 ``torch.ops.adaflash.gemv_bf16(x, w)``: y (M, N) = x (M, K) · w (N, K)ᵀ for a few rows, bf16 in
@@ -7,6 +7,22 @@ and out, fp32 accumulation. The same library holds ``torch.ops.adaflash.decode_a
 (``attention``: the compiled steps' attention over the KV pool, ``csrc/decode_attention.cpp``).
 ``layers.linear`` and the compiled steps (``decode_graph``; inductor calls it as an opaque op)
 send inputs of up to ``max_rows()`` rows here instead of oneDNN.
+
+Where the CPU has AVX512-BF16 and no AMX, weights whose shape fits are packed once in panels of
+32 output features (``pack_panels``, ``torch.ops.adaflash.gemm_bf16_panels``,
+``csrc/gemm_bf16_panels.cpp``: vdpbf16ps's operand layout, each panel one contiguous stream,
+tiles of up to 8 input rows whose accumulators are the outputs, no horizontal sums), and that
+kernel takes every row count: eager projections (``layers.Packed.panels``, instead of oneDNN's
+prepacked copy) and compiled steps up to 16 rows (sharing the eager step's panels). Over a
+step's 121 projections of SmolLM2-135M (real weights, 2 threads, an AMD EPYC of family 25 model
+17 (Zen 4), one process, interleaved) 1 / 2 / 4 rows took 9.1–9.9 / 8.8 / 8.8 ms against
+15.3–16.9 / 15.9 / 13.2 through oneDNN's prepacked weights and 10.1–10.5 / 9.8 / 13.3 through
+the GEMV kernel below; 16 rows 14.1 against 18.9; 128 / 256 / 512 rows 90.6 / 171.5 / 341.8
+against 96.2 / 186.4 / 357.6 (inductor's C++ template, which widens bf16 to fp32 on this CPU
+class, took ~32 ms for a 16-token step's projections there, an earlier session's A/B). Tiles of
+12 rows, panels of 64 features and blocks of K shared by the tiles from L1 measured level or
+slower (the kernel's header). ``ADAFLASH_PANELS=0`` leaves the GEMV kernel as before.
+
 Measured over a step's 121 projections of SmolLM2-135M (random weights, 2 threads), in one
 process, interleaved:
 - AVX512-BF16 (an AMD EPYC of family 26, no AMX): 0.79× oneDNN's time for one row, 0.94× for
@@ -98,6 +114,9 @@ AVX512_BF16 = Variant(  # the panels kernel where a weight's shape fits, else th
     eager_rows=4,
     limit=4,
     panel_rows=16,  # the widest compiled step (16 verified tokens, 16 requests)
+    # a compiled 16-token step (128 positions) took 17.1 ms with its attention on two threads
+    # against 18.4 on one, a one-token step level (Zen 4 EPYC, real weights, interleaved)
+    attention_split=1 << 18,
 )
 AMX = Variant(  # the AVX512-BF16 kernel for one row, AMX tiles for more (``linear_amx.cpp``)
     "amx",
