@@ -129,9 +129,10 @@ def compile_enabled() -> bool:
 @dataclass(frozen=True)
 class Route:
     """How the compiled steps multiply. ``gemv``: a one-row step (batch-1 decode) sends its
-    projections through the GEMV kernel (``models/gemv.py``; steps of more rows use it wherever
-    it takes their rows, whatever the route); ``tune``: GEMMs autotuned between oneDNN and
-    inductor's C++ micro-kernel template, else oneDNN only."""
+    projections through the kernel (``models/gemv.py``: the weights' panels where they are
+    packed, else the GEMV kernel; steps of more rows use it wherever it takes their rows,
+    whatever the route); ``tune``: GEMMs autotuned between oneDNN and inductor's C++
+    micro-kernel template, else oneDNN only."""
 
     gemv: bool
     tune: bool
