@@ -425,7 +425,7 @@ def _panels(
 ) -> torch.Tensor | None:
     """The weight's panels: the eager step's where it packed them (one copy for both), else
     packed here; None where they do not serve (a bias, a shape that does not fit)."""
-    if bias is not None:
+    if bias is not None or not gemv_kernel.panels():
         return None
     if packed is not None and packed.panels is not None:
         return packed.panels

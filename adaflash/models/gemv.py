@@ -1,6 +1,7 @@
 """bf16 GEMV kernels for decoding on CPUs: AVX512-BF16 (``csrc/gemv_bf16.cpp``; without AMX
-weights in panels, ``csrc/gemm_bf16_panels.cpp``), with AMX tiles where the CPU has AMX-BF16 (``csrc/linear_amx.cpp``), and, where the CPU has no native bf16, AVX2
-+ FMA (``csrc/gemv_bf16_avx2.cpp``).
+weights in panels, ``csrc/gemm_bf16_panels.cpp``), with AMX tiles where the CPU has AMX-BF16
+(``csrc/linear_amx.cpp``), and, where the CPU has no native bf16, AVX2 + FMA
+(``csrc/gemv_bf16_avx2.cpp``).
 
 ``torch.ops.adaflash.gemv_bf16(x, w)``: y (M, N) = x (M, K) · w (N, K)ᵀ for a few rows, bf16 in
 and out, fp32 accumulation. The same library holds ``torch.ops.adaflash.decode_attention``

@@ -324,6 +324,39 @@ def test_a_widened_step_computes_the_bf16_step(tiny):
     torch.testing.assert_close(wide[1].float(), plain[1].float(), atol=0.05, rtol=0.05)
 
 
+@pytest.mark.skipif(not gemv.panels(), reason="no panels kernel for this CPU")
+def test_a_step_multiplies_through_the_eager_steps_panels(tiny, monkeypatch):
+    """Uncompiled: the step's projections go through the panels the fused target packed (the
+    same tensors: no second copy) and give the step without panels up to bf16 rounding."""
+    folder, _, _ = tiny
+    target = load_target(folder, "bfloat16")
+    target.fuse()
+    cache = target.new_cache()
+    slot = cache.allocate()
+    target(PackedBatch(torch.tensor(PROMPTS[0]), (slot,), (len(PROMPTS[0]),)), cache)
+    past = cache.data[cache.row(slot)]
+    ids, pos = torch.tensor([5, 9, 11, 3]), torch.tensor([cache.length(slot)])
+    step = decode_graph.DecodeStep(target, (1,))
+    layers = len(target.layers)
+    assert len(step.panels) == 4 * layers + 1  # every projection and the LM head fit
+    attn, mlp = target.layers[0].self_attn, target.layers[0].mlp
+    assert step.panel(0, 0).data_ptr() == attn.qkv_packed.panels.data_ptr()
+    assert step.panel(0, 3).data_ptr() == mlp.down_proj.packed.panels.data_ptr()
+    assert step.panel(layers, 0).data_ptr() == target.lm_head.packed.panels.data_ptr()
+    calls = []
+    real = gemv.panel_linear
+    monkeypatch.setattr(gemv, "panel_linear", lambda x, p: calls.append(p) or real(x, p))
+    with torch.no_grad():
+        got = step(ids, pos, past)
+    assert len(calls) == 4 * layers + 1
+    monkeypatch.setenv("ADAFLASH_PANELS", "0")
+    with torch.no_grad():
+        want = decode_graph.DecodeStep(target, (1,))(ids, pos, past)
+    torch.testing.assert_close(got[0], want[0], atol=0.1, rtol=0.05)
+    assert torch.equal(got[0].argmax(-1), want[0].argmax(-1))
+    torch.testing.assert_close(got[1].float(), want[1].float(), atol=0.05, rtol=0.05)
+
+
 def test_without_module_guards_each_step_keeps_to_its_own_graph(tiny_llama):
     """The compiled steps drop Dynamo's guards on their module and parameters (~1 ms a call).
     Each step has a code object of its own, so another step — other captured layers, same
