@@ -155,7 +155,8 @@ class Engine:
     def _request_graphs(self) -> None:
         """With ``cfg.compile``: the compiled steps for what this engine now runs (plain
         decoding, or capturing the drafter's context; one request, and batched decode steps up
-        to ``max_running_requests``), compiled in the background."""
+        to ``max_running_requests``, with a drafting policy verification of one request and of
+        several), compiled in the background."""
         if not (self.cfg.compile and compile_enabled()):
             return
         batches = batch_sizes(self.cfg.max_running_requests)

@@ -34,13 +34,21 @@ eager step beyond 4 tokens (AMX Xeon, one thread: 16 tokens 92 ms compiled vs 52
 a CPU without native bf16, graphs of 8 tokens or more multiply with fp32 copies of the weights
 (``widen``): 16 tokens 56.7 ms instead of 121.8 (AVX2 AMD EPYC, 2 threads).
 
+Several requests verifying together take a batched graph of a static width too
+(``batch_verify_widths``: 4 by default, one per batch size): each request's tokens are padded
+after its last, the batch with copies of the first request, and the pads' outputs and
+keys/values are dropped. Without them every pass of two or more drafting requests ran eager,
+while plain decoding of the same requests ran compiled. Where bf16 is not native they are built
+only where the GEMV kernel takes all their rows (elsewhere the graph's bf16 GEMMs crawl).
+
 Graphs are keyed by the captured layers — none for plain decoding, the drafter's for speculative
 serving (its plain steps keep the drafter's context) — by the new tokens per request (1: decode,
 or a verification width) and by the request count (1, or a batch size of ``batch_sizes``).
 Compiling one took 60–430 s on the machines here, in a background thread: until it is ready,
 and wherever it fails, the eager step serves. ``ADAFLASH_COMPILE=0`` or ``serve --no-compile``
 switches them all off, ``ADAFLASH_BATCH_GRAPHS=0`` the batched ones, ``ADAFLASH_VERIFY_GRAPHS=0``
-the verification ones.
+the one-request verification ones, ``ADAFLASH_BATCH_VERIFY_GRAPHS=0`` the batched verification
+ones.
 """
 
 from __future__ import annotations
@@ -92,6 +100,14 @@ def verify_widths() -> tuple[int, ...]:
     (default 4,8,16; ``0`` or empty: none): verifying n ≥ 2 tokens runs on the smallest
     width ≥ n, padded; more than the largest run eager."""
     return tuple(_sizes("ADAFLASH_VERIFY_GRAPHS", "4,8,16"))
+
+
+def batch_verify_widths() -> tuple[int, ...]:
+    """The verification widths compiled for several requests at once, from
+    ``ADAFLASH_BATCH_VERIFY_GRAPHS`` (default 4; ``0`` or empty: none): a verification pass of
+    n ≥ 2 requests, each of at most w tokens, runs on the smallest batch size ≥ n and width
+    ≥ every request's tokens, padded (one graph per batch size and width)."""
+    return tuple(_sizes("ADAFLASH_BATCH_VERIFY_GRAPHS", "4"))
 
 
 def batch_sizes(max_requests: int) -> tuple[int, ...]:
@@ -406,6 +422,21 @@ class DecodeStep(_Step):
         return logits, new_kv[:, :, 0], features  # (T, V), (layers, 2, T, kv_heads, d), (T, K·H)
 
 
+class BatchVerifyStep(_Step):
+    """B requests' verification, T new tokens each (fewer padded after the real ones), reading
+    their rows of the whole KV pool."""
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # (B, T) new tokens per request
+        rows: torch.Tensor,  # (B,) their rows in the pool
+        pos: torch.Tensor,  # (B,) their committed lengths
+        pool: torch.Tensor,  # (rows, layers, 2, kv_heads, capacity, d) the KV pool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        # (B·T, V), (layers, 2, B, T, kv_heads, d), (B·T, K·H)
+        return self.run(ids, pos, pool, rows)
+
+
 class BatchDecodeStep(_Step):
     """B requests' decode step, one new token each, reading their rows of the whole KV pool."""
 
@@ -487,6 +518,14 @@ class DecodeGraph:
         c = tuple(capture)
         widths = verify_widths() if multi else ()
         keys = [(c, 1, 1)] + [(c, w, 1) for w in widths] + [(c, 1, b) for b in batches]
+        if multi:  # several requests verifying together, where their rows multiply well
+            rows = gemv_kernel.max_rows()
+            keys += [
+                (c, w, b)
+                for b in batches
+                for w in batch_verify_widths()
+                if native_bf16() or w * b <= rows
+            ]
         for key in keys:
             if key in self._asked:
                 continue
@@ -510,6 +549,16 @@ class DecodeGraph:
         if tokens == 1:
             return 1 if 1 in widths else None
         return min((t for t in widths if t >= tokens > 1), default=None)
+
+    def batch_verify(self, capture: tuple[int, ...], lengths: tuple[int, ...]) -> Key | None:
+        """The compiled batched verification that takes requests of these token counts (two or
+        more requests, some with more than one token): the smallest batch size, then the
+        smallest width, that hold them; None if there is none (yet)."""
+        if len(lengths) < 2 or max(lengths) < 2:
+            return None
+        keys = [k for k in list(self.graphs) if k[0] == tuple(capture) and k[1] > 1 and k[2] > 1]
+        fits = [k for k in keys if k[2] >= len(lengths) and k[1] >= max(lengths)]
+        return min(fits, key=lambda k: (k[2], k[1]), default=None)
 
     def batch_size(self, capture: tuple[int, ...], requests: int) -> int | None:
         """The smallest compiled batch size that takes ``requests`` one-token requests, or None."""
@@ -572,7 +621,8 @@ class DecodeGraph:
         torch._dynamo.mark_dynamic(pool, 0)  # … and every pool size
         torch._dynamo.mark_dynamic(pool, 4)
         rows = torch.arange(batch, device=dev)
-        return torch.zeros(batch, dtype=torch.long, device=dev), rows, pos, pool
+        shape = (batch, n) if n > 1 else (batch,)
+        return torch.zeros(shape, dtype=torch.long, device=dev), rows, pos, pool
 
     def _build(self, key: Key, route: Route) -> Callable[..., tuple]:
         """Compile ``key``'s step the ``route``'s way and run it at two capacities (and pool
@@ -580,8 +630,8 @@ class DecodeGraph:
         import torch._inductor.config as inductor
 
         capture, n, batch = key
-        module = DecodeStep if batch == 1 else BatchDecodeStep
-        rows = n if batch == 1 else batch
+        module = DecodeStep if batch == 1 else BatchDecodeStep if n == 1 else BatchVerifyStep
+        rows = n * batch
         gemv = route.gemv or rows > 1  # the route decides the one-row step (``Route``)
         wide = widen(self.target.dtype, n if batch == 1 else 1)  # (batched rows stay bf16)
         step = own_code(module(self.target, capture, wide, gemv).eval())
@@ -695,6 +745,54 @@ class DecodeGraph:
         self.steps += 1
         self.tokens += n
         return logits[:n], None if features is None else features[:n]
+
+    def step_verify(
+        self,
+        ids: torch.Tensor,  # (Σ n,) the requests' new tokens, packed
+        lengths: tuple[int, ...],  # n per request
+        slots: tuple[int, ...],
+        cache: KVCache,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One verification pass of several requests on the compiled batch size and width that
+        hold them (``batch_verify``): each request's tokens padded after its last (the causal
+        mask hides the pads from its real tokens; their outputs and keys/values are dropped),
+        the batch padded with copies of the first request (dropped too); writes the real
+        tokens' keys/values; returns logits (Σ n, V) fp32 and features (Σ n, K·H) or None, in
+        packed order."""
+        key = self.batch_verify(capture, lengths)
+        assert key is not None, f"no compiled batched verification for {lengths}"
+        _, width, size = key
+        fn = self.graphs[key]
+        for s, n in zip(slots, lengths, strict=True):
+            cache.reserve(s, n)  # may grow the pool: read cache.data after
+        rows = [cache.row(s) for s in slots]
+        pos = [cache.length(s) for s in slots]
+        dev = self.target.device
+        pad = size - len(slots)
+        grid, b_idx, t_idx, start = [], [], [], 0
+        for b, n in enumerate(lengths):
+            own = ids[start : start + n].tolist()
+            grid.append(own + own[-1:] * (width - n))
+            b_idx += [b] * n
+            t_idx += list(range(n))
+            start += n
+        grid += grid[:1] * pad
+        with torch.inference_mode(False), torch.no_grad():  # as in ``step``
+            rows_t = torch.tensor(rows + rows[:1] * pad, device=dev)
+            pos_t = torch.tensor(pos + pos[:1] * pad, device=dev)
+            ids_t = torch.tensor(grid, device=dev)  # (size, width)
+            logits, new_kv, features = fn(ids_t, rows_t, pos_t, cache.data)
+        real = torch.tensor(b_idx, device=dev) * width + torch.tensor(t_idx, device=dev)
+        with torch.inference_mode():  # token (b, t) goes to (rows[b], pos[b] + t)
+            b_t, t_t = torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)
+            kv = new_kv[:, :, b_t, t_t]  # (layers, 2, Σ n, kv_heads, d)
+            cache.data[rows_t[b_t], :, :, :, pos_t[b_t] + t_t] = kv.permute(2, 0, 1, 3, 4)
+        for s, n in zip(slots, lengths, strict=True):
+            cache.advance(s, n)
+        self.steps += 1
+        self.tokens += sum(lengths)
+        return logits[real], None if features is None else features[real]
 
 
 # While a graph compiles in the background, the compiler runs Python nonstop on its thread, and

@@ -14,7 +14,7 @@ Where the CPU has AVX512-BF16 and no AMX, weights whose shape fits are packed on
 ``csrc/gemm_bf16_panels.cpp``: vdpbf16ps's operand layout, each panel one contiguous stream,
 tiles of up to 8 input rows whose accumulators are the outputs, no horizontal sums), and that
 kernel takes every row count: eager projections (``layers.Packed.panels``, instead of oneDNN's
-prepacked copy) and compiled steps up to 16 rows (sharing the eager step's panels). Over a
+prepacked copy) and compiled steps up to 256 rows (sharing the eager step's panels). Over a
 step's 121 projections of SmolLM2-135M (real weights, 2 threads, an AMD EPYC of family 25 model
 17 (Zen 4), one process, interleaved) 1 / 2 / 4 rows took 9.1–9.9 / 8.8 / 8.8 ms against
 15.3–16.9 / 15.9 / 13.2 through oneDNN's prepacked weights and 10.1–10.5 / 9.8 / 13.3 through
@@ -114,7 +114,7 @@ AVX512_BF16 = Variant(  # the panels kernel where a weight's shape fits, else th
     max_rows=1,  # the GEMV kernel's, without panels (``ADAFLASH_PANELS=0``)
     eager_rows=4,
     limit=4,
-    panel_rows=16,  # the widest compiled step (16 verified tokens, 16 requests)
+    panel_rows=256,  # compiled steps: 16 verified tokens, 16 requests, batched verification
     # a compiled 16-token step (128 positions) took 17.1 ms with its attention on two threads
     # against 18.4 on one, a one-token step level (Zen 4 EPYC, real weights, interleaved)
     attention_split=1 << 18,

@@ -219,6 +219,12 @@ class TargetModel(nn.Module):
             elif max(batch.lengths) == 1 and graph.batch_size(capture_layers, len(batch.lengths)):
                 rows, feats = graph.step_batch(batch.input_ids, batch.slots, cache, capture_layers)
                 last = rows  # one token per request
+            elif graph.batch_verify(capture_layers, batch.lengths) is not None:
+                rows, feats = graph.step_verify(
+                    batch.input_ids, batch.lengths, batch.slots, cache, capture_layers
+                )
+                ends = torch.tensor(batch.offsets) + torch.tensor(batch.lengths) - 1
+                last = rows[ends.to(rows.device)]  # (B, V)
             if rows is not None:  # a compiled step ran
                 if isinstance(logits, torch.Tensor):
                     picked = rows[logits.to(rows.device)] if logits.numel() else None

@@ -187,6 +187,54 @@ def test_batched_graph_equals_the_eager_step_across_growth_and_row_moves(compile
     assert compiled_steps_matching_eager(target, run) == 30
 
 
+@pytest.mark.slow  # compiles the graphs (minutes on two cores)
+def test_batched_verification_equals_the_eager_pass(compiled, no_recompiles):
+    """Two to four requests verifying 1–4 tokens each on the compiled batch of 4 × 4 tokens
+    (padded in both): the same logits and features as the eager pass, in packed order, and
+    the same keys/values left in every row; wider or larger passes stay eager."""
+    target, drafter, _ = compiled
+    layers = tuple(drafter.cfg.target_layer_ids)
+    graph = target.decode_graph
+    assert graph.batch_verify(layers, (2, 4, 1)) == (layers, 4, 4)
+    assert graph.batch_verify(layers, (2, 5)) is None  # wider than the compiled width
+    assert graph.batch_verify(layers, (2,) * 5) is None  # more requests than the batch
+    assert graph.batch_verify(layers, (1, 1)) is None  # plain decode: the batched decode step
+
+    def run() -> list[torch.Tensor]:
+        cache = target.new_cache(initial_capacity=8, initial_rows=2)  # rows and length grow
+        slots = [cache.allocate() for _ in range(4)]
+        for slot, p in zip(slots, ([3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 15], [13]), strict=True):
+            target(PackedBatch(torch.tensor(p), (slot,), (len(p),)), cache, logits="none")
+        out = []
+        for lengths in ((2, 4, 1, 3), (4, 4), (1, 2, 3), (3, 1, 1, 4)):
+            use = tuple(slots[: len(lengths)])
+            ids = torch.arange(sum(lengths)) * 5 % 50 + 3
+            res = target(PackedBatch(ids, use, lengths), cache, capture_layers=layers)
+            out += [res.logits, res.features]
+            for slot, n in zip(use, lengths, strict=True):
+                cache.truncate(slot, cache.length(slot) - n // 2)  # partial accepts
+        rows = [cache.data[cache.row(s), :, :, :, : cache.length(s)].clone() for s in slots]
+        return [*out, *rows]
+
+    assert compiled_steps_matching_eager(target, run) == 4
+
+
+@pytest.mark.slow  # compiles the graphs (minutes on two cores)
+def test_batched_drafting_engine_verifies_through_the_batched_graph_exactly(
+    compiled, no_recompiles
+):
+    target, _, references = compiled
+    graph = target.decode_graph
+    before, tokens = graph.steps, graph.tokens
+    drafter = random_drafter(target, block_size=4)  # the same captured layers: the same graphs
+    cfg = EngineConfig(policy="fixed", max_running_requests=4)  # k̂ = 4: the compiled width
+    engine = OracleEngine(target, drafter, cfg, continuation=from_references(references))
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
+    assert graph.tokens - tokens > 2 * (graph.steps - before)  # several tokens a compiled step
+
+
 def test_a_verification_takes_the_smallest_compiled_width_that_holds_it(tiny, monkeypatch):
     folder, _, _ = tiny
     graph = DecodeGraph(load_target(folder, "float32"))
@@ -202,6 +250,38 @@ def test_a_verification_takes_the_smallest_compiled_width_that_holds_it(tiny, mo
     assert decode_graph.verify_widths() == (8, 16)
     monkeypatch.setenv("ADAFLASH_VERIFY_GRAPHS", "0")
     assert decode_graph.verify_widths() == ()
+
+
+def test_a_batched_verification_takes_the_smallest_batch_then_width_that_holds_it(
+    tiny, monkeypatch
+):
+    folder, _, _ = tiny
+    graph = DecodeGraph(load_target(folder, "float32"))
+    step = lambda *a: ()  # noqa: E731 - stands in for a compiled function
+    graph.graphs = {k: step for k in (((), 1, 4), ((), 4, 4), ((), 8, 4), ((), 4, 8), ((7,), 4, 4))}
+    assert graph.batch_verify((), (2, 3)) == ((), 4, 4)
+    assert graph.batch_verify((), (2, 6, 1)) == ((), 8, 4)
+    assert graph.batch_verify((), (2,) * 5) == ((), 4, 8)
+    assert graph.batch_verify((), (5,) * 5) is None  # no graph both that wide and that large
+    assert graph.batch_verify((), (1, 1, 1)) is None  # plain decode: the batched decode step
+    assert graph.batch_verify((), (3,)) is None  # one request: its own verification width
+    assert graph.batch_verify((7,), (4, 4)) == ((7,), 4, 4)
+    assert graph.batch_size((), 3) == 4 and graph.width((), 4) is None  # neither is one
+    assert graph.compiled(()) == ((4,), 4)
+    # what an engine asks for: batched verification only with drafting, default width 4
+    monkeypatch.setattr(graph, "_compile", lambda key: None)
+    monkeypatch.setattr(decode_graph, "native_bf16", lambda: True)
+    graph.request((), multi=False, background=False, batches=(4, 8))
+    assert ((), 4, 4) not in graph._asked
+    graph.request((7,), multi=True, background=False, batches=(4, 8))
+    assert {((7,), 4, 4), ((7,), 4, 8)} <= graph._asked
+    # without native bf16 only where the kernel takes every row (elsewhere bf16 GEMMs crawl)
+    monkeypatch.setattr(decode_graph, "native_bf16", lambda: False)
+    monkeypatch.setattr(decode_graph.gemv_kernel, "max_rows", lambda: 16)
+    graph.request((9,), multi=True, background=False, batches=(4, 8))
+    assert ((9,), 4, 4) in graph._asked and ((9,), 4, 8) not in graph._asked
+    monkeypatch.setenv("ADAFLASH_BATCH_VERIFY_GRAPHS", "0")
+    assert decode_graph.batch_verify_widths() == ()
 
 
 def test_the_routes_measured_are_those_that_went_both_ways_on_cpus_of_a_class(monkeypatch):
