@@ -783,9 +783,9 @@ class DecodeGraph:
             pos_t = torch.tensor(pos + pos[:1] * pad, device=dev)
             ids_t = torch.tensor(grid, device=dev)  # (size, width)
             logits, new_kv, features = fn(ids_t, rows_t, pos_t, cache.data)
-        real = torch.tensor(b_idx, device=dev) * width + torch.tensor(t_idx, device=dev)
+        b_t, t_t = torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)  # (Σ n,)
+        real = b_t * width + t_t  # the real tokens' rows of the (size·width) outputs
         with torch.inference_mode():  # token (b, t) goes to (rows[b], pos[b] + t)
-            b_t, t_t = torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)
             kv = new_kv[:, :, b_t, t_t]  # (layers, 2, Σ n, kv_heads, d)
             cache.data[rows_t[b_t], :, :, :, pos_t[b_t] + t_t] = kv.permute(2, 0, 1, 3, 4)
         for s, n in zip(slots, lengths, strict=True):
