@@ -298,15 +298,11 @@ class _Step(nn.Module):
                 ]
         if self.gemv_rows:
             found.append(_panels(target.lm_head.packed, target.lm_head.weight, None))
-        self.panels = nn.ParameterList(
-            nn.Parameter(p, requires_grad=False) for p in found if p is not None
-        )
+        kept = [p for p in found if p is not None]
+        self.panels = nn.ParameterList(nn.Parameter(p, requires_grad=False) for p in kept)
         # where each weight's panels are in ``panels`` (None: it has none)
-        self.panel_at: list[int | None] = []
-        count = 0
-        for p in found:
-            self.panel_at.append(None if p is None else count)
-            count += p is not None
+        at = iter(range(len(kept)))
+        self.panel_at = [None if p is None else next(at) for p in found]
 
     def run(
         self,
@@ -719,32 +715,11 @@ class DecodeGraph:
         cache: KVCache,
         capture: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decode step of n requests on the compiled batch size ≥ n (padded with copies of
-        the first request, whose outputs are dropped): writes their keys/values; returns logits
-        (n, V) fp32 and the captured features (n, K·H) or None."""
-        n = len(slots)
-        size = self.batch_size(capture, n)
-        assert size is not None, f"no compiled batch for {n} requests"
-        fn = self.graphs[(tuple(capture), 1, size)]
-        for s in slots:
-            cache.reserve(s, 1)  # may grow the pool: read cache.data after
-        rows = [cache.row(s) for s in slots]
-        pos = [cache.length(s) for s in slots]
-        dev = self.target.device
-        pad = size - n
-        # as in ``step``; the inputs made here too: an inference tensor would fail the guards
-        with torch.inference_mode(False), torch.no_grad():
-            rows_t = torch.tensor(rows + rows[:1] * pad, device=dev)
-            pos_t = torch.tensor(pos + pos[:1] * pad, device=dev)
-            ids_t = torch.tensor(ids.tolist() + ids[:1].tolist() * pad, device=dev)
-            logits, new_kv, features = fn(ids_t, rows_t, pos_t, cache.data)
-        with torch.inference_mode():  # token b's keys/values go to (rows[b], pos[b])
-            cache.data[rows_t[:n], :, :, :, pos_t[:n]] = new_kv[:, :, :n].permute(2, 0, 1, 3, 4)
-        for s in slots:
-            cache.advance(s, 1)
-        self.steps += 1
-        self.tokens += n
-        return logits[:n], None if features is None else features[:n]
+        """One decode step of n requests on the compiled batch size ≥ n (``_step_many``):
+        logits (n, V) fp32 and the captured features (n, K·H) or None."""
+        size = self.batch_size(capture, len(slots))
+        assert size is not None, f"no compiled batch for {len(slots)} requests"
+        return self._step_many((tuple(capture), 1, size), ids, (1,) * len(slots), slots, cache)
 
     def step_verify(
         self,
@@ -755,13 +730,25 @@ class DecodeGraph:
         capture: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One verification pass of several requests on the compiled batch size and width that
-        hold them (``batch_verify``): each request's tokens padded after its last (the causal
-        mask hides the pads from its real tokens; their outputs and keys/values are dropped),
-        the batch padded with copies of the first request (dropped too); writes the real
-        tokens' keys/values; returns logits (Σ n, V) fp32 and features (Σ n, K·H) or None, in
-        packed order."""
+        hold them (``batch_verify``, ``_step_many``): logits (Σ n, V) fp32 and features
+        (Σ n, K·H) or None, in packed order."""
         key = self.batch_verify(capture, lengths)
         assert key is not None, f"no compiled batched verification for {lengths}"
+        return self._step_many(key, ids, lengths, slots, cache)
+
+    def _step_many(
+        self,
+        key: Key,  # a batched graph: (capture, width, size)
+        ids: torch.Tensor,  # (Σ n,) the requests' new tokens, packed
+        lengths: tuple[int, ...],  # n ≤ width per request
+        slots: tuple[int, ...],
+        cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several requests through ``key``'s graph: each request's tokens padded after its last
+        to the width (the causal mask hides the pads from its real tokens), the batch padded to
+        the size with copies of the first request; the pads' outputs and keys/values are
+        dropped. Writes the real tokens' keys/values; returns their logits and features in
+        packed order."""
         _, width, size = key
         fn = self.graphs[key]
         for s, n in zip(slots, lengths, strict=True):
@@ -770,19 +757,24 @@ class DecodeGraph:
         pos = [cache.length(s) for s in slots]
         dev = self.target.device
         pad = size - len(slots)
-        grid, b_idx, t_idx, start = [], [], [], 0
+        flat, grid, b_idx, t_idx, start = ids.tolist(), [], [], [], 0
         for b, n in enumerate(lengths):
-            own = ids[start : start + n].tolist()
+            own = flat[start : start + n]
             grid.append(own + own[-1:] * (width - n))
             b_idx += [b] * n
             t_idx += list(range(n))
             start += n
         grid += grid[:1] * pad
-        with torch.inference_mode(False), torch.no_grad():  # as in ``step``
+        # as in ``step``; the inputs made here too: an inference tensor would fail the guards
+        with torch.inference_mode(False), torch.no_grad():
             rows_t = torch.tensor(rows + rows[:1] * pad, device=dev)
             pos_t = torch.tensor(pos + pos[:1] * pad, device=dev)
             ids_t = torch.tensor(grid, device=dev)  # (size, width)
-            logits, new_kv, features = fn(ids_t, rows_t, pos_t, cache.data)
+            if width == 1:  # a decode graph: (size,) in, (layers, 2, size, kv_heads, d) out
+                logits, new_kv, features = fn(ids_t.view(size), rows_t, pos_t, cache.data)
+                new_kv = new_kv.unsqueeze(3)
+            else:
+                logits, new_kv, features = fn(ids_t, rows_t, pos_t, cache.data)
         b_t, t_t = torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)  # (Σ n,)
         real = b_t * width + t_t  # the real tokens' rows of the (size·width) outputs
         with torch.inference_mode():  # token (b, t) goes to (rows[b], pos[b] + t)

@@ -55,6 +55,11 @@ class PackedBatch:
             acc += n
         return out
 
+    @property
+    def ends(self) -> torch.Tensor:
+        """(B,) each request's last row."""
+        return torch.tensor(self.offsets) + torch.tensor(self.lengths) - 1
+
 
 @dataclass
 class TargetOutput:
@@ -223,8 +228,7 @@ class TargetModel(nn.Module):
                 rows, feats = graph.step_verify(
                     batch.input_ids, batch.lengths, batch.slots, cache, capture_layers
                 )
-                ends = torch.tensor(batch.offsets) + torch.tensor(batch.lengths) - 1
-                last = rows[ends.to(rows.device)]  # (B, V)
+                last = rows[batch.ends.to(rows.device)]  # (B, V)
             if rows is not None:  # a compiled step ran
                 if isinstance(logits, torch.Tensor):
                     picked = rows[logits.to(rows.device)] if logits.numel() else None
@@ -253,8 +257,7 @@ class TargetModel(nn.Module):
         elif logits == "all":
             out = self.logits(x)  # (T, V)
         elif logits == "last":
-            ends = torch.tensor(batch.offsets) + torch.tensor(batch.lengths) - 1
-            out = self.logits(x[ends.to(self.device)])  # (B, V)
+            out = self.logits(x[batch.ends.to(self.device)])  # (B, V)
         elif logits == "none":
             out = None
         else:
