@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -104,6 +105,7 @@ class Variant:
     # projection whose shape fits, in compiled steps up to this many rows (0: no panels here;
     # ``max_rows`` then), in eager ones any
     panel_rows: int = 0
+    panel: int = 32  # output features per panel (``pack_panels``)
 
 
 AVX512_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp")
@@ -128,13 +130,15 @@ AMX = Variant(  # the AVX512-BF16 kernel for one row, AMX tiles for more (``line
     limit=4,  # the GEMV op's; AMX takes any number of rows
     attention_split=1 << 16,  # two threads won from the smallest call there
 )
-AVX2 = Variant(
+AVX2 = Variant(  # the panels kernel where a weight's shape fits, else the GEMV kernel
     "avx2",
-    (CSRC / "gemv_bf16_avx2.cpp",),
+    (CSRC / "gemv_bf16_avx2.cpp", CSRC / "gemm_bf16_panels_avx2.cpp"),
     ("-O3", "-mavx2", "-mfma", "-fopenmp"),
-    max_rows=16,
+    max_rows=16,  # the GEMV kernel's, without panels (``ADAFLASH_PANELS=0``)
     eager_rows=128,
     limit=128,
+    panel_rows=256,
+    panel=16,
 )
 
 
@@ -202,7 +206,9 @@ def _loaded(chosen: Variant) -> bool:
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-    tag = f"{chosen.name}-torch{torch.__version__.replace('+', '_')}"
+    # the sources' digest in the name: an edited kernel or header never loads a stale build
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.iterdir()))).hexdigest()
+    tag = f"{chosen.name}-torch{torch.__version__.replace('+', '_')}-{digest[:12]}"
     build = cache_dir() / "ext" / f"gemv_bf16-{tag}"
     build.mkdir(parents=True, exist_ok=True)
     try:
@@ -245,7 +251,7 @@ def register_fake() -> None:
 
         @torch.library.register_fake("adaflash::gemm_bf16_panels")
         def _panels(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
-            return x.new_empty((x.shape[0], wp.shape[0] * PANEL))
+            return x.new_empty((x.shape[0], panel_features(wp)))
 
     @torch.library.register_fake("adaflash::decode_attention")
     def _attention(
@@ -281,18 +287,27 @@ def amx_fits(weight: torch.Tensor) -> bool:
     return n % 64 == 0 and k % 32 == 0
 
 
-PANEL = 32  # output features per panel (``csrc/gemm_bf16_panels.cpp``)
-
-
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """W (N, K) bf16 → (N/32, K/2, 32, 2): ``wp[p, k2, f, j] = W[32p + f, 2 k2 + j]``, each panel
-    of 32 output features one contiguous stream in vdpbf16ps's operand layout; None where the
-    shape does not fit (N % 32, K % 2) or panels do not serve here."""
+    """W (N, K) bf16 → W in panels of the serving variant's ``panel`` output features, each panel
+    one contiguous stream; None where the shape does not fit or panels do not serve here.
+    AVX512-BF16 (``csrc/gemm_bf16_panels.cpp``): (N/32, K/2, 32, 2), ``wp[p, k2, f, j] =
+    W[32p + f, 2 k2 + j]``, vdpbf16ps's operand layout. AVX2 (``csrc/gemm_bf16_panels_avx2.cpp``):
+    (N/16, K, 8, 2), ``wp[p, k, j, h] = W[16p + 8h + j, k]``, one 32-byte load per k whose lanes'
+    low and high halves widen to features 0–7 and 8–15."""
     n, k = weight.shape
-    if not panels() or weight.dtype != torch.bfloat16 or n % PANEL or k % 2:
+    chosen = serving() if panels() else None
+    if chosen is None or weight.dtype != torch.bfloat16 or n % chosen.panel or k % 2:
         return None
     w = weight.detach().contiguous()
-    return w.view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if chosen is AVX2:
+        return w.view(n // 16, 2, 8, k).permute(0, 3, 2, 1).contiguous()
+    return w.view(n // chosen.panel, chosen.panel, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def panel_features(panels: torch.Tensor) -> int:
+    """N, the output features of a weight packed in panels (``pack_panels``)."""
+    per_panel = panels.shape[2] * panels.shape[3] if _loaded_variant is AVX2 else panels.shape[2]
+    return panels.shape[0] * per_panel
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
@@ -300,7 +315,7 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     the same as ``F.linear(x, W)`` up to the order of fp32 additions."""
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
     y = torch.ops.adaflash.gemm_bf16_panels(x2, panels)  # (M, N)
-    return y.view(*x.shape[:-1], panels.shape[0] * PANEL)
+    return y.view(*x.shape[:-1], panel_features(panels))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,14 @@
 #include <algorithm>
 #include <vector>
 
+#include "avx2_bf16.h"
+
 namespace {
+
+using adaflash_avx2::bf16_bits;
+using adaflash_avx2::even_bf16;
+using adaflash_avx2::odd_bf16;
+using adaflash_avx2::to_bf16;
 
 constexpr int64_t MAX_M = 128;
 constexpr int PREFETCH = 512;  // bytes ahead of the weight stream (0–2048 measured alike)
@@ -51,27 +58,6 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// eight fp32 → eight bf16, rounded to nearest even, NaN kept NaN: as at::BFloat16(float)
-inline __m128i to_bf16(__m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), odd);
-  r = _mm256_srli_epi32(r, 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-inline float bf16_bits(uint16_t x) {
-  return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16);
-}
-
-// 16 bf16 (a 256-bit load) → their 8 even elements and their 8 odd ones as fp32 (above)
-inline __m256 even_bf16(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-inline __m256 odd_bf16(__m256i v) {
-  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
 // the dot product of one input row and one weight row over the last K % 16 elements
