@@ -98,15 +98,24 @@ class CostModel:
     plain_at: dict[int, int] = field(default_factory=dict)
     batches: tuple[int, ...] = ()  # compiled batch sizes plain passes pad up to (``compiled``)
     graphs: int = -1  # compiled graphs the tables were measured with (-1: not told yet)
+    # compiled batched verification (``verify_key``): (batch size, width) → seconds
+    verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    verify_graphs: tuple[tuple[int, int], ...] = ()  # their (batch size, width), compiled
     # requests → t ≈ a + b·tokens over that many requests' passes where some verify (no prompts)
     mixed: dict[int, RecursiveLeastSquares] = field(default_factory=dict)
     target_passes: int = 0  # every target pass observed (line and tables)
 
     def observe_target(
-        self, tokens: int, requests: int, seconds: float, prefill: bool = False
+        self,
+        tokens: int,
+        requests: int,
+        seconds: float,
+        prefill: bool = False,
+        widest: int | None = None,
     ) -> None:
         """A measured target pass; ``prefill``: some of its tokens were prompt chunks (the
-        shared line learns from those, a request count's own line does not)."""
+        shared line learns from those, a request count's own line does not); ``widest``: the
+        most tokens one request had in it (None: not known, the line)."""
         # a plain pass timed again after its price went stale counts for more (``plain_stale``)
         age = self.plain_age(requests) if tokens == requests else None
         rate = REFRESH_RATE if age is not None and age > PLAIN_REFRESH else ONE_REQUEST_RATE
@@ -115,6 +124,10 @@ class CostModel:
             table, key = self.one_request, tokens
         elif requests > 1 and tokens == requests:  # a plain batched pass
             table, key = self.plain, self.plain_key(requests)
+        elif not prefill and (vkey := self.verify_key(requests, widest)) is not None:
+            old = self.verify.get(vkey)
+            self.verify[vkey] = seconds if old is None else old + rate * (seconds - old)
+            return
         else:
             if requests > 1 and not prefill:
                 if requests not in self.mixed:  # starts where the shared line is
@@ -131,15 +144,30 @@ class CostModel:
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
         self.drafter.update([1.0, float(requests), float(context)], seconds)
 
-    def compiled(self, batches: tuple[int, ...], graphs: int) -> None:
+    def compiled(
+        self,
+        batches: tuple[int, ...],
+        graphs: int,
+        verify: tuple[tuple[int, int], ...] = (),
+    ) -> None:
         """The engine's compiled steps now: the batch sizes plain passes pad up to (ascending),
-        and how many
-        graphs there are. A new graph makes the tables start over (they timed another path)."""
+        how many graphs there are, and the batched verifications' (batch size, width). A new
+        graph makes the tables start over (they timed another path)."""
         if graphs != self.graphs:
             self.one_request.clear()
             self.plain.clear()
             self.plain_at.clear()
-        self.batches, self.graphs = batches, graphs
+            self.verify.clear()
+        self.batches, self.graphs, self.verify_graphs = batches, graphs, verify
+
+    def verify_key(self, requests: int, widest: int | None) -> tuple[int, int] | None:
+        """The compiled batched verification that runs a pass of ``requests`` whose widest
+        request has ``widest`` tokens: the smallest batch size, then width, that hold it (as
+        ``DecodeGraph.batch_verify`` picks); None where it runs eager."""
+        if requests < 2 or widest is None or widest < 2:
+            return None
+        fits = [(b, w) for b, w in self.verify_graphs if b >= requests and w >= widest]
+        return min(fits, default=None)
 
     def plain_key(self, requests: int) -> int:
         """The batch size a plain pass of ``requests`` runs at: 1 for one request (its own
@@ -162,15 +190,19 @@ class CostModel:
         age = self.plain_age(requests)
         return age is None or age > PLAIN_REFRESH
 
-    def target_s(self, tokens: int, requests: int) -> float:
-        """Predicted seconds of a target pass (never below a microsecond). A pass in which
-        some verify is never priced below the measured plain pass of as many requests: a line
+    def target_s(self, tokens: int, requests: int, widest: int | None = None) -> float:
+        """Predicted seconds of a target pass (never below a microsecond); ``widest``: the
+        most tokens one request has in it (None: not known). An eager pass in which some
+        verify is never priced below the measured plain pass of as many requests: a line
         fitted elsewhere (other request counts, nearly one token count) can tilt below it, and
         a cold model then drafted at 8 requests with nothing surviving (weak drafter, math:
         0.91× ``ar``, every drafting step an eager pass at twice the compiled plain one)."""
         if requests > 1 and tokens == requests:
             line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
             return between(self.plain, self.plain_key(requests), line)
+        vkey = self.verify_key(requests, widest)
+        if vkey is not None:  # compiled: measured, else (optimistic) its plain pass (docstring)
+            return self.verify.get(vkey) or self.target_s(requests, requests)
         table = self.one_request
         if requests == 1 and tokens in table:
             return table[tokens]
@@ -203,6 +235,10 @@ class CostModel:
             "drafter_per_context_token_ms": 1e3 * f,
             **{f"target_1req_{n}tok_ms": 1e3 * t for n, t in sorted(self.one_request.items())},
             **{f"target_plain_{n}req_ms": 1e3 * t for n, t in sorted(self.plain.items())},
+            **{
+                f"target_verify_{b}req_{w}wide_ms": 1e3 * t
+                for (b, w), t in sorted(self.verify.items())
+            },
             **{
                 f"target_mixed_{n}req_{part}_ms": 1e3 * v
                 for n, line in sorted(self.mixed.items())

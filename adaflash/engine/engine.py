@@ -262,13 +262,14 @@ class Engine:
             prefills = [p for p in prefills if p.req is suspect]
             chosen = [suspect] if suspect.prefill_done else []
         graph = self.target.decode_graph  # what the cost model's tables time: the graphs now
-        self.cost.compiled(*(((), 0) if graph is None else graph.compiled(self.capture)))
+        self.cost.compiled(*(((), 0, ()) if graph is None else graph.compiled(self.capture)))
         ctx = PolicyContext(
             self.block_size,
             self.gamma,
             self.cost,
             self.cfg.max_batch_tokens,
             sum(p.n for p in prefills),
+            max((p.n for p in prefills), default=0),
         )
         res = speculative_round(
             self.target,
@@ -286,7 +287,11 @@ class Engine:
         if res.pass_error is None:
             self._check_prediction(res)
             self.cost.observe_target(
-                res.pass_tokens, len(res.passed), res.verify_ms / 1e3, prefill=bool(prefills)
+                res.pass_tokens,
+                len(res.passed),
+                res.verify_ms / 1e3,
+                prefill=bool(prefills),
+                widest=res.pass_widest,
             )
             if res.drafted and not res.draft_failed:
                 self.cost.observe_drafter(res.drafted, res.draft_ms / 1e3, res.draft_context)

@@ -70,6 +70,7 @@ class PolicyContext:
     cost: CostModel
     budget: int  # verification tokens the pass may hold
     other_tokens: int  # prefill tokens in the same pass
+    other_widest: int = 0  # the longest prompt chunk among them (a pass that widest runs eager)
     plain_requests: int = 0  # ready requests that do not draft this step (set by the round)
     requests: int = 0  # requests in this step's pass, ready to draft or not (set by the round)
     # context positions a request would bring to the drafter pass (committed since it last
@@ -267,12 +268,13 @@ class CostPolicy(Policy):
         plain: int,
         survival: dict[int, list[float]] | None = None,
         ranked: list[tuple[float, int, int]] | None = None,
-        target_s: dict[int, float] | None = None,
+        target_s: dict[tuple[int, tuple[int, int] | None], float] | None = None,
     ) -> tuple[float, dict[int, int]]:
         """Best expected rate (tokens/s) and widths when ``reqs`` draft (``plain`` others
         take a plain step): greedy slots by survival. ``ranked`` (every candidate slot of a
-        superset of ``reqs``, by survival) and ``target_s`` (pass seconds by token count, this
-        step's request count) let ``drafters`` plan many subsets for the price of one sort."""
+        superset of ``reqs``, by survival) and ``target_s`` (pass seconds by token count and
+        the compiled graph that runs it, this step's request count) let ``drafters`` plan many
+        subsets for the price of one sort."""
         k = ctx.block_size
         surv = survival or {id(r): self.survival(r, k) for r in reqs}
         if ranked is None:
@@ -282,11 +284,13 @@ class CostPolicy(Policy):
         tokens = float(len(reqs) + plain)  # every request yields at least its bonus token
         n_tok = len(reqs) + plain + ctx.other_tokens
         n_req = len(reqs) + plain
+        widest = max(1, ctx.other_widest)  # the widest request's tokens: compiled or eager (cost)
 
         def pass_s(n: int) -> float:
-            if n not in memo:
-                memo[n] = ctx.cost.target_s(n, n_req)
-            return memo[n]
+            key = (n, ctx.cost.verify_key(n_req, widest))  # (tokens, the graph it runs on)
+            if key not in memo:
+                memo[key] = ctx.cost.target_s(n, n_req, widest)
+            return memo[key]
 
         fixed = ctx.cost.drafter_s(len(reqs), sum(ctx.pending(r) for r in reqs))
         best_rate, best_taken = tokens / (fixed + pass_s(n_tok)), 0
@@ -298,6 +302,7 @@ class CostPolicy(Policy):
             if n_tok + 1 > limit:
                 break
             widths[rid] = w
+            widest = max(widest, w)
             taken.append((rid, w))
             tokens += s
             n_tok += 1
@@ -320,13 +325,16 @@ class CostPolicy(Policy):
         gain = {id(r): sum(surv[id(r)]) for r in ready}
         order = sorted(ready, key=lambda r: -gain[id(r)])
         ranked: list[tuple[float, int, int]] | None = None  # every slot by survival, once
-        seconds: dict[int, float] = {}
+        seconds: dict[tuple[int, tuple[int, int] | None], float] = {}
         plain_s = ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
         plain_rate = len(ready) / plain_s
         self.predicted_s = plain_s  # unless somebody drafts (``widths``)
         # what bounds every plan below: a drafting step's target pass costs at least the plain
         # one (or the narrowest wider pass, where a fitted line tilts below it)
-        least_pass = min(plain_s, ctx.cost.target_s(len(ready) + ctx.other_tokens + 1, len(ready)))
+        narrowest = ctx.cost.target_s(
+            len(ready) + ctx.other_tokens + 1, len(ready), max(2, ctx.other_widest)
+        )
+        least_pass = min(plain_s, narrowest)
         best_n, best_rate = 0, plain_rate
         tokens, pending = float(len(ready)), 0
         for n, r in enumerate(order, 1):
@@ -414,7 +422,8 @@ class CostPolicy(Policy):
         chosen = [widths[id(r)] for r in spec]
         n_req = len(spec) + ctx.plain_requests
         n_tok = sum(chosen) + ctx.plain_requests + ctx.other_tokens
-        self.predicted_s = self.draft_s + ctx.cost.target_s(n_tok, n_req)
+        widest = max([*chosen, max(1, ctx.other_widest)])
+        self.predicted_s = self.draft_s + ctx.cost.target_s(n_tok, n_req, widest)
         self.expected_tokens = ctx.plain_requests + sum(
             1.0 + sum(surv[id(r)][: w - 1]) for r, w in zip(spec, chosen, strict=True)
         )

@@ -88,6 +88,7 @@ class RoundResult:
     drafted: int = 0  # requests the drafter ran for (shadow drafts included)
     draft_context: int = 0  # context positions that drafter pass projected (catch-up)
     pass_tokens: int = 0  # tokens in the target pass
+    pass_widest: int = 0  # the most tokens one request had in it
 
 
 def speculative_round(
@@ -116,6 +117,7 @@ def speculative_round(
     if not res.passed:
         return res
     res.pass_tokens = sum(p.verify_len for p in plans) + sum(p.n for p in prefills)
+    res.pass_widest = max([p.verify_len for p in plans] + [p.n for p in prefills], default=0)
     # 5. verify: one packed target pass over every [anchor, drafts] and the prefill chunks
     try:
         out, rows = verify(target, cache, drafting, plans, prefills)

@@ -562,11 +562,15 @@ class DecodeGraph:
         sizes = [b for c, t, b in keys if c == tuple(capture) and b > 1 and t == 1]
         return min((b for b in sizes if b >= requests), default=None)
 
-    def compiled(self, capture: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-        """The batch sizes compiled for ``capture`` and how many graphs capture it (the cost
-        model's tables start over when that changes)."""
+    def compiled(
+        self, capture: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]:
+        """The batch sizes compiled for ``capture``, how many graphs capture it (the cost
+        model's tables start over when that changes) and the batched verifications' (batch
+        size, width)."""
         keys = [k for k in list(self.graphs) if k[0] == tuple(capture)]
-        return tuple(sorted(b for _, t, b in keys if b > 1 and t == 1)), len(keys)
+        batches = tuple(sorted(b for _, t, b in keys if b > 1 and t == 1))
+        return batches, len(keys), tuple(sorted((b, t) for _, t, b in keys if b > 1 and t > 1))
 
     def status(self) -> str:
         """'ready', 'compiling', 'failed' or 'off' (for /metrics)."""

@@ -93,7 +93,12 @@ class PinnedCost(CostModel):
         self.drafter.pin([0.004, 0.00001, 0.0])
 
     def observe_target(
-        self, tokens: int, requests: int, seconds: float, prefill: bool = False
+        self,
+        tokens: int,
+        requests: int,
+        seconds: float,
+        prefill: bool = False,
+        widest: int | None = None,
     ) -> None:
         pass
 

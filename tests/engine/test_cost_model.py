@@ -443,6 +443,58 @@ def test_a_plain_count_is_priced_as_the_compiled_batch_it_pads_up_to():
     assert not cost.plain and not cost.one_request and cost.plain_stale(16)
 
 
+def test_a_compiled_batched_verification_is_priced_by_its_graph_and_tried_once_cold():
+    """Requests that each verify at most a compiled width run on a batched verification graph
+    at its own cost, whatever their tokens; wider ones run eager on the line. Unmeasured, such a
+    pass is priced as its plain step (optimistic: tried once, then timed)."""
+    cost = CostModel()
+    cost.compiled((4, 8), 6, ((4, 4), (8, 4)))
+    assert cost.verify_key(3, 4) == (4, 4) and cost.verify_key(5, 2) == (8, 4)
+    assert cost.verify_key(3, 5) is None and cost.verify_key(9, 2) is None  # none that wide/big
+    assert cost.verify_key(1, 4) is None and cost.verify_key(4, 1) is None  # one request; plain
+    for _ in range(20):
+        cost.observe_target(8, 8, 0.020)  # compiled plain batch-8
+        cost.observe_target(40, 8, 0.120, widest=8)  # eager: wider than any graph
+    assert abs(cost.target_s(12, 8, widest=3) - 0.020) < 1e-6  # cold: its plain step
+    cost.observe_target(14, 8, 0.026, widest=3)  # the batch-8 width-4 graph, timed
+    cost.observe_target(30, 8, 0.027, widest=4)
+    assert cost.verify[(8, 4)] == 0.026 + 0.1 * (0.027 - 0.026)
+    assert abs(cost.target_s(20, 7, widest=4) - cost.verify[(8, 4)]) < 1e-9  # 7 pad up to 8
+    assert cost.target_s(20, 8, widest=5) > 0.05  # eager: the line through the 40-token passes
+    assert cost.target_s(20, 8) > 0.05  # widest not known: the line
+    cost.observe_target(20, 8, 0.300, prefill=True, widest=4)  # a prompt chunk: not the graph
+    assert cost.verify[(8, 4)] < 0.03
+    assert "target_verify_8req_4wide_ms" in cost.snapshot()
+    cost.compiled((4, 8, 16), 7, ((4, 4), (8, 4)))  # a graph more: start over
+    assert not cost.verify
+
+
+def test_the_cost_policy_drafts_at_several_requests_where_the_batched_graph_makes_it_pay():
+    """Eight requests whose drafts are accepted often: verifying ≤ 4 tokens each on the
+    compiled batched graph pays where the eager line would not, so the policy keeps every
+    request at most 4 wide."""
+    k = 16
+    cost = CostModel()
+    cost.compiled((8,), 3, ((8, 4),))
+    cost.drafter.pin([0.004, 0.0005, 0.0])
+    for _ in range(40):
+        cost.observe_target(8, 8, 0.020)
+        cost.observe_target(80, 8, 0.200, widest=16)  # eager: 10 tokens each
+        cost.observe_target(32, 8, 0.024, widest=4)  # compiled: 4 each
+    policy = CostPolicy(k)
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=64)) for i in range(8)]
+    g = torch.Generator().manual_seed(1)
+    for r in reqs:
+        for _ in range(40):
+            policy.observe(r, k, int((torch.rand(k - 1, generator=g) < 0.8).cumprod(0).sum()), k)
+    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
+    chosen = policy.drafters(reqs, ctx)
+    assert len(chosen) == 8
+    widths = policy.widths(chosen, None, ctx)
+    assert int(widths.max()) <= 4 and int(widths.min()) >= 2
+    assert abs(policy.predicted_s - (policy.draft_s + 0.024)) < 1e-9
+
+
 def test_a_plain_price_is_stale_until_measured_and_again_after_a_while():
     cost = CostModel()
     cost.compiled((16,), 2)
