@@ -1,7 +1,8 @@
 """bf16 GEMV kernels for decoding on CPUs: AVX512-BF16 (``csrc/gemv_bf16.cpp``; without AMX
 weights in panels, ``csrc/gemm_bf16_panels.cpp``), with AMX tiles where the CPU has AMX-BF16
 (``csrc/linear_amx.cpp``), and, where the CPU has no native bf16, AVX2 + FMA
-(``csrc/gemv_bf16_avx2.cpp``).
+(``csrc/gemv_bf16_avx2.cpp``; weights that fit in panels of 16 features,
+``csrc/gemm_bf16_panels_avx2.cpp``).
 
 ``torch.ops.adaflash.gemv_bf16(x, w)``: y (M, N) = x (M, K) · w (N, K)ᵀ for a few rows, bf16 in
 and out, fp32 accumulation. The same library holds ``torch.ops.adaflash.decode_attention``
@@ -23,6 +24,21 @@ against 96.2 / 186.4 / 357.6 (inductor's C++ template, which widens bf16 to fp32
 class, took ~32 ms for a 16-token step's projections there, an earlier session's A/B). Tiles of
 12 rows, panels of 64 features and blocks of K shared by the tiles from L1 measured level or
 slower (the kernel's header). ``ADAFLASH_PANELS=0`` leaves the GEMV kernel as before.
+
+Where the CPU has only AVX2 + FMA, weights that fit are packed likewise in panels of 16 output
+features, K-major (``csrc/gemm_bf16_panels_avx2.cpp``: one 32-byte load per k widened to two
+fp32 vectors in registers, tiles of up to 6 input rows, 12 accumulators that are the outputs),
+and that kernel takes every eager projection (instead of the GEMV kernel's rows and the fp32
+copies, which are then not made: 270 MB of panels instead of 540 MB of fp32) and the compiled steps' up to 256 rows. Over a
+step's 121 projections (real weights, 2 threads, an AMD EPYC of family 25 model 1 (Zen 3), one
+process, interleaved, the least of 3 rounds; this host's speed moved ±20% between rounds):
+1 / 2 / 4 / 8 / 16 rows 16.4 / 17.2 / 16.9 / 30.7 / 43.2 ms against the GEMV kernel's 15.4 /
+16.6 / 21.7 / 33.1 / 59.4; 32 / 64 / 128 rows 62.2 / 113.2 / 210.6 against 78.0 / 141.8 /
+268.7; 256 rows 447.9 against 599.1 through fp32 copies. With the second tile of rows fetching
+the next panel into cache (4 rounds, a faster spell of the host): 1 / 8 / 16 rows 14.3 / 20.7 /
+32.8 against 14.1 / 27.1 / 47.7. One thread, one weight in cache, 6-row tiles ran at 38–43 G
+multiply-adds/s (the accumulators kept as named locals: an array of them, indexed in loops,
+lived on the stack at ~27).
 
 Measured over a step's 121 projections of SmolLM2-135M (random weights, 2 threads), in one
 process, interleaved:
@@ -53,7 +69,8 @@ process, interleaved:
   template against 12.99 ms through ``linear_amx`` for one token and 16.57 against 18.40 ms for
   16; so there the kernel serves the one-row step only where the route measured at the first
   compile picks it (``decode_graph.Route``).
-- AVX2 + FMA (an AMD EPYC of family 25 model 1): 1 / 2 / 4 / 8 / 16 rows in 21 / 22 / 27 / 36 /
+- AVX2 + FMA (an AMD EPYC of family 25 model 1; weights whose shape does not fit panels, or
+  ``ADAFLASH_PANELS=0``): 1 / 2 / 4 / 8 / 16 rows in 21 / 22 / 27 / 36 /
   75 ms against 27 / 40 / 72 / 140 / 263 ms through bf16 ``F.linear`` and 82 / 120 / 145 / 129 /
   151 ms through fp32 copies of the weights; so up to 16 rows (decode, verification and batched
   decode up to 16 requests). Eager projections (prompt chunks) go through it up to 128 rows in
