@@ -11,9 +11,10 @@
 // in order. A tile of up to 6 input rows (fp32, converted once per call) broadcasts one element
 // per row and does two FMAs per row into 12 accumulators that are the outputs themselves: no
 // horizontal sums, 1 weight load and 6 broadcasts per 12 FMAs. Tiles of one or two rows keep two
-// sets of accumulators (even and odd k) so that the FMAs' latency does not bound them. K even. Threads split
-// the panels; a panel is read from memory once, for the first tile of rows, and from cache for
-// the others. Built by adaflash/models/gemv.py at first use (the AVX2 variant).
+// sets of accumulators (even and odd k) so that the FMAs' latency does not bound them. K is even.
+// Threads split the panels; a panel is read from memory once, for the first tile of rows, and
+// from cache for the others, while the second tile fetches the next panel into cache. Built by
+// adaflash/models/gemv.py at first use (the AVX2 variant).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -42,7 +43,7 @@ inline void fma_row(__m256& a0, __m256& a1, __m256 lo, __m256 hi, const float* x
   a1 = _mm256_fmadd_ps(hi, xb, a1);
 }
 
-// row m's 16 sums (a: even k, plus b: odd k where kept apart) stored as bf16 at y
+// one input row's 16 sums (features 0–7, 8–15) stored as bf16 at y
 inline void store_row(uint16_t* y, __m256 a0, __m256 a1) {
   _mm_storeu_si128((__m128i*)y, to_bf16(a0));
   _mm_storeu_si128((__m128i*)(y + 8), to_bf16(a1));
@@ -63,7 +64,8 @@ void tile(const float* x, const uint16_t* w, uint16_t* y, int64_t K, int64_t N,
          a41 = z, a50 = z, a51 = z;
   __m256 b00 = z, b01 = z, b10 = z, b11 = z;
   for (int64_t k = 0; k < K; k += pairs ? 2 : 1) {
-    if (ahead != nullptr && k % 2 == 0) _mm_prefetch((const char*)(ahead + k * PANEL), _MM_HINT_T0);
+    if (ahead != nullptr && k % 2 == 0)  // one 64-byte line: two k of the next panel
+      _mm_prefetch((const char*)(ahead + k * PANEL), _MM_HINT_T0);
     const __m256i v = _mm256_loadu_si256((const __m256i*)(w + k * PANEL));
     const __m256 lo = even_bf16(v), hi = odd_bf16(v);  // features 0–7, 8–15 at k
     fma_row(a00, a01, lo, hi, x + k);
