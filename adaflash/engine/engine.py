@@ -325,6 +325,8 @@ class Engine:
         if predicted is None or res.draft_failed or res.deferred:
             return
         measured = (res.draft_ms + res.verify_ms) / 1e3
+        if any(v.plan.verify_len > 1 for v in res.verified):  # drafts verified (not probes)
+            self.cost.observe_drafting_step(predicted, measured)
         if res.drafted:
             self.stats.predicted_drafting_s += predicted
             self.stats.measured_drafting_s += measured

@@ -293,7 +293,8 @@ class CostPolicy(Policy):
             return memo[key]
 
         fixed = ctx.cost.drafter_s(len(reqs), sum(ctx.pending(r) for r in reqs))
-        best_rate, best_taken = tokens / (fixed + pass_s(n_tok)), 0
+        scale = ctx.cost.drafting_bias  # what drafting steps took over their price, lately
+        best_rate, best_taken = tokens / (scale * (fixed + pass_s(n_tok))), 0
         taken: list[tuple[int, int]] = []  # slots in the order they were added
         limit = ctx.budget + ctx.other_tokens
         for s, rid, w in ranked:  # each request's slots come in order: survival decreases
@@ -306,7 +307,7 @@ class CostPolicy(Policy):
             taken.append((rid, w))
             tokens += s
             n_tok += 1
-            rate = tokens / (fixed + pass_s(n_tok))
+            rate = tokens / (scale * (fixed + pass_s(n_tok)))
             if rate > best_rate:
                 best_rate, best_taken = rate, len(taken)
         best = {id(r): 1 for r in reqs}  # the widths at the best prefix of added slots
@@ -342,7 +343,8 @@ class CostPolicy(Policy):
             # no plan of these n can beat the best when all their expected tokens over the
             # cheapest step they could take do not (a drafter that does not pay: no plan at
             # all, which was most of this policy's time per step)
-            if tokens / (ctx.cost.drafter_s(n, pending) + least_pass) <= best_rate:
+            step_s = ctx.cost.drafting_bias * (ctx.cost.drafter_s(n, pending) + least_pass)
+            if tokens / step_s <= best_rate:
                 continue
             if ranked is None:
                 ranked = rank_slots(ready, surv)

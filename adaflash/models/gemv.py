@@ -29,9 +29,10 @@ Where the CPU has only AVX2 + FMA, weights that fit are packed likewise in panel
 features, K-major (``csrc/gemm_bf16_panels_avx2.cpp``: one 32-byte load per k widened to two
 fp32 vectors in registers, tiles of up to 6 input rows, 12 accumulators that are the outputs),
 and that kernel takes every eager projection (instead of the GEMV kernel's rows and the fp32
-copies, which are then not made: 270 MB of panels instead of 540 MB of fp32) and the compiled steps' up to 256 rows. Over a
-step's 121 projections (real weights, 2 threads, an AMD EPYC of family 25 model 1 (Zen 3), one
-process, interleaved, the least of 3 rounds; this host's speed moved ±20% between rounds):
+copies, which are then not made: 270 MB of panels instead of 540 MB of fp32) and the compiled
+steps' up to 256 rows. Over a step's 121 projections (real weights, 2 threads, an AMD EPYC of
+family 25 model 1 (Zen 3), one process, interleaved, the least of 3 rounds; this host's speed
+moved ±20% between rounds):
 1 / 2 / 4 / 8 / 16 rows 16.4 / 17.2 / 16.9 / 30.7 / 43.2 ms against the GEMV kernel's 15.4 /
 16.6 / 21.7 / 33.1 / 59.4; 32 / 64 / 128 rows 62.2 / 113.2 / 210.6 against 78.0 / 141.8 /
 268.7; 256 rows 447.9 against 599.1 through fp32 copies. With the second tile of rows fetching

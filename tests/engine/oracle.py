@@ -105,5 +105,8 @@ class PinnedCost(CostModel):
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
         pass
 
+    def observe_drafting_step(self, predicted: float, measured: float) -> None:
+        pass
+
     def plain_stale(self, requests: int) -> bool:
         return False  # pinned, never timed: nothing goes stale

@@ -103,8 +103,9 @@ def test_cost_policy_drafts_only_when_it_pays():
     policy = CostPolicy(k)
     ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
     good, bad = req(0), req(1)
+    g = torch.Generator().manual_seed(0)  # unseeded, a run of 2s now and then failed it
     for _ in range(20):  # good's drafts are accepted 90% per slot, bad's never
-        policy.observe(good, k, 7 if torch.rand(1) < 0.9**7 else 2, k)
+        policy.observe(good, k, 7 if torch.rand(1, generator=g) < 0.9**7 else 2, k)
         policy.observe(bad, k, 0, k)
     assert policy.drafters([good], ctx) == [good]
     widths = policy.widths([good], None, ctx)
@@ -473,6 +474,18 @@ def test_the_cost_policy_drafts_at_several_requests_where_the_batched_graph_make
     """Eight requests whose drafts are accepted often: verifying ≤ 4 tokens each on the
     compiled batched graph pays where the eager line would not, so the policy keeps every
     request at most 4 wide."""
+    cost, policy, reqs = drafting_eight(0.024)
+    ctx = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
+    chosen = policy.drafters(reqs, ctx)
+    assert len(chosen) == 8
+    widths = policy.widths(chosen, None, ctx)
+    assert int(widths.max()) <= 4 and int(widths.min()) >= 2
+    assert abs(policy.predicted_s - (policy.draft_s + 0.024)) < 1e-9
+
+
+def drafting_eight(verify_s: float) -> tuple[CostModel, CostPolicy, list[Request]]:
+    """Eight requests whose slots are accepted 80% of the time, a compiled batch-8 plain step
+    of 20 ms and a batch-8 width-4 verification of ``verify_s``."""
     k = 16
     cost = CostModel()
     cost.compiled((8,), 3, ((8, 4),))
@@ -480,19 +493,30 @@ def test_the_cost_policy_drafts_at_several_requests_where_the_batched_graph_make
     for _ in range(40):
         cost.observe_target(8, 8, 0.020)
         cost.observe_target(80, 8, 0.200, widest=16)  # eager: 10 tokens each
-        cost.observe_target(32, 8, 0.024, widest=4)  # compiled: 4 each
+        cost.observe_target(32, 8, verify_s, widest=4)  # compiled: 4 each
     policy = CostPolicy(k)
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=64)) for i in range(8)]
     g = torch.Generator().manual_seed(1)
     for r in reqs:
         for _ in range(40):
             policy.observe(r, k, int((torch.rand(k - 1, generator=g) < 0.8).cumprod(0).sum()), k)
-    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
-    chosen = policy.drafters(reqs, ctx)
-    assert len(chosen) == 8
-    widths = policy.widths(chosen, None, ctx)
-    assert int(widths.max()) <= 4 and int(widths.min()) >= 2
-    assert abs(policy.predicted_s - (policy.draft_s + 0.024)) < 1e-9
+    return cost, policy, reqs
+
+
+def test_drafting_steps_that_took_longer_than_priced_make_drafting_dearer():
+    """A narrow predicted gain: drafting pays by the parts' prices, but once drafting steps
+    have taken 1.3× their price lately it does not, and the policy keeps to plain steps."""
+    cost, policy, reqs = drafting_eight(0.040)
+    ctx = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
+    assert len(policy.drafters(reqs, ctx)) == 8
+    for _ in range(30):
+        cost.observe_drafting_step(0.050, 0.065)
+    assert 1.25 < cost.drafting_bias < 1.3 and cost.snapshot()["drafting_bias"] > 1.25
+    assert policy.drafters(reqs, ctx) == []
+    cost.observe_drafting_step(0.050, 5.0)  # a stall: clipped to 2×
+    assert cost.drafting_bias <= 0.9 * 1.3 + 0.1 * 2.0
+    cost.observe_drafting_step(0.0, 1.0)  # nothing priced: nothing learned
+    assert cost.drafting_bias <= 0.9 * 1.3 + 0.1 * 2.0
 
 
 def test_a_plain_price_is_stale_until_measured_and_again_after_a_while():
