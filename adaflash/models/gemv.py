@@ -37,7 +37,9 @@ moved ±20% between rounds):
 16.6 / 21.7 / 33.1 / 59.4; 32 / 64 / 128 rows 62.2 / 113.2 / 210.6 against 78.0 / 141.8 /
 268.7; 256 rows 447.9 against 599.1 through fp32 copies. With the second tile of rows fetching
 the next panel into cache (4 rounds, a faster spell of the host): 1 / 8 / 16 rows 14.3 / 20.7 /
-32.8 against 14.1 / 27.1 / 47.7. One thread, one weight in cache, 6-row tiles ran at 38–43 G
+32.8 against 14.1 / 27.1 / 47.7; that prefetch alone, built with and without it and alternated
+(two rounds of three, least of each): 8 / 16 rows 18.8–19.9 / 28.9–29.2 ms against 20.1–21.5 /
+29.5–31.3, 32 rows level (54.6–58.8). One thread, one weight in cache, 6-row tiles ran at 38–43 G
 multiply-adds/s (the accumulators kept as named locals: an array of them, indexed in loops,
 lived on the stack at ~27).
 
