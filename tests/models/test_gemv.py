@@ -206,7 +206,7 @@ def unpacked(wp: torch.Tensor) -> torch.Tensor:
 
 
 @needs_panels
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 41, 130])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 16, 17, 41, 130])  # every tile size
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (64, 1536), (32, 2), (96, 100)])
 def test_panels_are_the_product_rounded_to_bf16(m, n, k):
     g = torch.Generator().manual_seed(m * n + k)
