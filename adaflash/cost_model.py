@@ -52,7 +52,9 @@ lockstep study on a Zen 3 EPYC, math at 8 requests with the oracle drafter, draf
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RecursiveLeastSquares:
@@ -137,14 +139,14 @@ class CostModel:
         age = self.plain_age(requests) if tokens == requests else None
         rate = REFRESH_RATE if age is not None and age > PLAIN_REFRESH else ONE_REQUEST_RATE
         self.target_passes += 1
+        table: dict[Any, float]  # a running mean per key
+        key: Any
         if requests == 1 and tokens <= ONE_REQUEST_MAX:
             table, key = self.one_request, tokens
         elif requests > 1 and tokens == requests:  # a plain batched pass
             table, key = self.plain, self.plain_key(requests)
         elif not prefill and (vkey := self.verify_key(requests, widest)) is not None:
-            old = self.verify.get(vkey)
-            self.verify[vkey] = seconds if old is None else old + rate * (seconds - old)
-            return
+            table, key = self.verify, vkey  # a compiled batched verification
         else:
             if requests > 1 and not prefill:
                 if requests not in self.mixed:  # starts where the shared line is
@@ -192,8 +194,7 @@ class CostModel:
         ``DecodeGraph.batch_verify`` picks); None where it runs eager."""
         if requests < 2 or widest is None or widest < 2:
             return None
-        fits = [(b, w) for b, w in self.verify_graphs if b >= requests and w >= widest]
-        return min(fits, default=None)
+        return batched_verification(self.verify_graphs, requests, widest)
 
     def plain_key(self, requests: int) -> int:
         """The batch size a plain pass of ``requests`` runs at: 1 for one request (its own
@@ -274,6 +275,16 @@ class CostModel:
             "target_steps_seen": float(self.target_passes),
             "drafter_steps_seen": float(self.drafter.seen),
         }
+
+
+def batched_verification(
+    graphs: Iterable[tuple[int, int]], requests: int, widest: int
+) -> tuple[int, int] | None:
+    """Of the compiled batched verifications (batch size, width), the one that runs
+    ``requests`` whose widest has ``widest`` tokens: the smallest batch size, then width, that
+    holds them; None where none does. The rule ``DecodeGraph.batch_verify`` runs by, and that
+    the cost model prices by."""
+    return min(((b, w) for b, w in graphs if b >= requests and w >= widest), default=None)
 
 
 def between(table: dict[int, float], key: int, line: float) -> float:

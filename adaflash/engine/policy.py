@@ -284,10 +284,11 @@ class CostPolicy(Policy):
         tokens = float(len(reqs) + plain)  # every request yields at least its bonus token
         n_tok = len(reqs) + plain + ctx.other_tokens
         n_req = len(reqs) + plain
-        widest = max(1, ctx.other_widest)  # the widest request's tokens: compiled or eager (cost)
+        widest = max(1, ctx.other_widest)  # the widest request's tokens so far
+        graph = ctx.cost.verify_key(n_req, widest)  # the compiled pass that runs it (None: eager)
 
         def pass_s(n: int) -> float:
-            key = (n, ctx.cost.verify_key(n_req, widest))  # (tokens, the graph it runs on)
+            key = (n, graph)  # its price depends on the tokens and the graph alone
             if key not in memo:
                 memo[key] = ctx.cost.target_s(n, n_req, widest)
             return memo[key]
@@ -303,7 +304,8 @@ class CostPolicy(Policy):
             if n_tok + 1 > limit:
                 break
             widths[rid] = w
-            widest = max(widest, w)
+            if w > widest:  # the pass may leave its compiled graph for a wider one, or eager
+                widest, graph = w, ctx.cost.verify_key(n_req, w)
             taken.append((rid, w))
             tokens += s
             n_tok += 1

@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adaflash.cost_model import batched_verification
 from adaflash.hardware import cpu_flags, cpu_info, cpuinfo, native_bf16
 from adaflash.models import gemv as gemv_kernel
 from adaflash.models.layers import apply_rope
@@ -552,9 +553,10 @@ class DecodeGraph:
         smallest width, that hold them; None if there is none (yet)."""
         if len(lengths) < 2 or max(lengths) < 2:
             return None
-        keys = [k for k in list(self.graphs) if k[0] == tuple(capture) and k[1] > 1 and k[2] > 1]
-        fits = [k for k in keys if k[2] >= len(lengths) and k[1] >= max(lengths)]
-        return min(fits, key=lambda k: (k[2], k[1]), default=None)
+        c = tuple(capture)
+        pairs = [(b, t) for k, t, b in list(self.graphs) if k == c and t > 1 and b > 1]
+        fit = batched_verification(pairs, len(lengths), max(lengths))
+        return None if fit is None else (c, fit[1], fit[0])
 
     def batch_size(self, capture: tuple[int, ...], requests: int) -> int | None:
         """The smallest compiled batch size that takes ``requests`` one-token requests, or None."""
