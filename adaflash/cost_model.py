@@ -46,7 +46,12 @@ their measured ÷ predicted seconds, decayed, and every drafting plan's seconds 
 the others do not (a drafter pass beside the target's, requests padded to a width); in a
 lockstep study on a Zen 3 EPYC, math at 8 requests with the oracle drafter, drafting steps took
 1.08× their prediction and the policy, drafting where it predicted a narrow gain, ran at 0.96×
-``ar``.
+``ar``. The tokens side gets the same check: ``drafting_yield`` is the drafting steps' committed
+÷ expected tokens, decayed, and every drafting plan's tokens are scaled by it. The per-slot
+calibration (``CostPolicy.calibration``) corrects each slot on average over the requests that
+verified it; a drafting step's tokens are also off where a request's own profile is stale (an
+oracle drafter whose request left its reference on a bf16 near-tie: committed 1/1.05–1/1.10 of
+its expected tokens at 8 requests on a Zen 3 EPYC, after the time side was calibrated).
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ PLAIN_REFRESH = 64  # target passes after which a plain price is measured again 
 REFRESH_RATE = 0.5  # weight of a measurement taken after its price went stale
 BIAS_RATE = 0.1  # weight of a drafting step's measured ÷ predicted seconds in ``drafting_bias``
 BIAS_RANGE = (0.5, 2.0)  # one step's ratio is clipped to this (a GC pause, a compile)
+YIELD_RANGE = (0.5, 1.5)  # … and one step's committed ÷ expected tokens to this
 
 
 @dataclass
@@ -123,6 +129,7 @@ class CostModel:
     mixed: dict[int, RecursiveLeastSquares] = field(default_factory=dict)
     target_passes: int = 0  # every target pass observed (line and tables)
     drafting_bias: float = 1.0  # drafting steps' measured ÷ predicted seconds, decayed
+    drafting_yield: float = 1.0  # drafting steps' committed ÷ expected tokens, decayed
 
     def observe_target(
         self,
@@ -163,14 +170,29 @@ class CostModel:
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
         self.drafter.update([1.0, float(requests), float(context)], seconds)
 
-    def observe_drafting_step(self, predicted: float, measured: float) -> None:
+    def observe_drafting_step(
+        self,
+        predicted: float,
+        measured: float,
+        expected: float | None = None,
+        committed: float | None = None,
+    ) -> None:
         """A step in which some request verified drafts: the seconds it was priced at (drafter
-        and target pass, unscaled) and the seconds it took; their ratio, decayed, is
-        ``drafting_bias``."""
-        if predicted <= 0:
-            return
-        ratio = min(max(measured / predicted, BIAS_RANGE[0]), BIAS_RANGE[1])
-        self.drafting_bias += BIAS_RATE * (ratio - self.drafting_bias)
+        and target pass, unscaled) and the seconds it took, the tokens it was expected to
+        commit (unscaled) and the tokens it committed. Their ratios, decayed, are
+        ``drafting_bias`` and ``drafting_yield``."""
+        if predicted > 0:
+            ratio = min(max(measured / predicted, BIAS_RANGE[0]), BIAS_RANGE[1])
+            self.drafting_bias += BIAS_RATE * (ratio - self.drafting_bias)
+        if expected and committed is not None:
+            got = min(max(committed / expected, YIELD_RANGE[0]), YIELD_RANGE[1])
+            self.drafting_yield += BIAS_RATE * (got - self.drafting_yield)
+
+    @property
+    def drafting_value(self) -> float:
+        """What a drafting plan's expected tokens per predicted second are worth, lately: the
+        committed share of its tokens over the measured share of its seconds."""
+        return self.drafting_yield / self.drafting_bias
 
     def compiled(
         self,
@@ -272,6 +294,7 @@ class CostModel:
                 for part, v in zip(("base", "per_token"), line.theta, strict=True)
             },
             "drafting_bias": self.drafting_bias,
+            "drafting_yield": self.drafting_yield,
             "target_steps_seen": float(self.target_passes),
             "drafter_steps_seen": float(self.drafter.seen),
         }

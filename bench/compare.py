@@ -31,7 +31,10 @@ adaptation; the engine's verify-width policies, each with three drafters.
 - drafters: ``shipped`` (``--drafter``), ``weak`` (the shipped config and draft vocabulary with
   random weights, ``--seed``: almost never right) and ``oracle`` (drafts are the target's own
   greedy continuation, at the shipped drafter's cost; its ``oracle-len`` row would repeat
-  ``head``/``cost`` at full acceptance and is skipped)
+  ``head``/``cost`` at full acceptance and is skipped). ``--criteria-only`` runs the rows
+  the criteria read and no others: ``cost`` with each drafter, ``head`` and ``oracle-len`` with
+  the shipped one (the weak and oracle drafters' ``head`` and ``oracle-len`` rows, at 0.25–0.5×
+  ``ar``, took over half of a full run's time)
 
 The drafters run in ``--dtype`` as `serve` runs them, and the target's one-request steps run on
 the compiled graphs `serve` builds (``models/decode_graph.py``: plain decode with and without the
@@ -464,12 +467,20 @@ def weak_drafter(shipped: DFlashDrafter, seed: int) -> DFlashDrafter:
     return weak.eval()
 
 
-def policy_plan(drafters: list[str], with_hf: bool = True, with_llama: bool = False) -> list[Key]:
-    """The methods of one cell in the order each repeat runs them."""
+def policy_plan(
+    drafters: list[str],
+    with_hf: bool = True,
+    with_llama: bool = False,
+    criteria_only: bool = False,
+) -> list[Key]:
+    """The methods of one cell in the order each repeat runs them; ``criteria_only``: the rows
+    the criteria read alone (``cost`` with every drafter, ``head`` and ``oracle-len`` with the
+    shipped one)."""
     plan: list[Key] = [(None, "ar")] + ([(None, "hf")] if with_hf else [])
     plan += [(None, "llamacpp")] if with_llama else []
     for d in drafters:
-        plan += [(d, m) for m in POLICY_METHODS if not (d == "oracle" and m == "oracle-len")]
+        methods = POLICY_METHODS if d == "shipped" or not criteria_only else ("cost",)
+        plan += [(d, m) for m in methods if not (d == "oracle" and m == "oracle-len")]
     return plan
 
 
@@ -525,7 +536,12 @@ def policy_cell(
     The oracles' answer key is the cell's own ``ar`` output: in bf16 a batch-16 eager reference
     and a batch-1 compiled step can round a near-tie differently, and an oracle drafter that
     follows a continuation the target no longer produces stops being an oracle."""
-    plan = policy_plan(list(drafters), with_hf=not s.args.no_hf, with_llama=s.llama is not None)
+    plan = policy_plan(
+        list(drafters),
+        with_hf=not s.args.no_hf,
+        with_llama=s.llama is not None,
+        criteria_only=s.args.criteria_only,
+    )
     runs: dict[Key, list[dict]] = {key: [] for key in plan}
     if s.args.sequential:
         for rep in range(s.args.repeats):
@@ -1146,6 +1162,12 @@ def parse_args() -> argparse.Namespace:
         choices=POLICY_DRAFTERS,
         default=list(POLICY_DRAFTERS),
         help="policy study: the drafters to run (default all three; a subset for a probe)",
+    )
+    ap.add_argument(
+        "--criteria-only",
+        action="store_true",
+        help="policy study: only the rows the criteria read (cost with every drafter; head and "
+        "oracle-len with the shipped one): under half the time, the slow rows left out",
     )
     ap.add_argument(
         "--no-hf",

@@ -325,15 +325,16 @@ class Engine:
         if predicted is None or res.draft_failed or res.deferred:
             return
         measured = (res.draft_ms + res.verify_ms) / 1e3
+        expected = self._policy.expected_tokens
+        committed = sum(1 + v.accepted for v in res.verified)
         if any(v.plan.verify_len > 1 for v in res.verified):  # drafts verified (not probes)
-            self.cost.observe_drafting_step(predicted, measured)
+            self.cost.observe_drafting_step(predicted, measured, expected, committed)
         if res.drafted:
             self.stats.predicted_drafting_s += predicted
             self.stats.measured_drafting_s += measured
-            expected = self._policy.expected_tokens
             if expected is not None:
                 self.stats.expected_drafting_tokens += expected
-                self.stats.realised_drafting_tokens += sum(1 + v.accepted for v in res.verified)
+                self.stats.realised_drafting_tokens += committed
         else:
             self.stats.predicted_plain_s += predicted
             self.stats.measured_plain_s += measured

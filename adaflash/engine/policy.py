@@ -294,8 +294,9 @@ class CostPolicy(Policy):
             return memo[key]
 
         fixed = ctx.cost.drafter_s(len(reqs), sum(ctx.pending(r) for r in reqs))
-        scale = ctx.cost.drafting_bias  # what drafting steps took over their price, lately
-        best_rate, best_taken = tokens / (scale * (fixed + pass_s(n_tok))), 0
+        # what drafting steps committed and took against their plans, lately
+        value = ctx.cost.drafting_value
+        best_rate, best_taken = value * tokens / (fixed + pass_s(n_tok)), 0
         taken: list[tuple[int, int]] = []  # slots in the order they were added
         limit = ctx.budget + ctx.other_tokens
         for s, rid, w in ranked:  # each request's slots come in order: survival decreases
@@ -309,7 +310,7 @@ class CostPolicy(Policy):
             taken.append((rid, w))
             tokens += s
             n_tok += 1
-            rate = tokens / (scale * (fixed + pass_s(n_tok)))
+            rate = value * tokens / (fixed + pass_s(n_tok))
             if rate > best_rate:
                 best_rate, best_taken = rate, len(taken)
         best = {id(r): 1 for r in reqs}  # the widths at the best prefix of added slots
@@ -345,8 +346,8 @@ class CostPolicy(Policy):
             # no plan of these n can beat the best when all their expected tokens over the
             # cheapest step they could take do not (a drafter that does not pay: no plan at
             # all, which was most of this policy's time per step)
-            step_s = ctx.cost.drafting_bias * (ctx.cost.drafter_s(n, pending) + least_pass)
-            if tokens / step_s <= best_rate:
+            step_s = ctx.cost.drafter_s(n, pending) + least_pass
+            if ctx.cost.drafting_value * tokens / step_s <= best_rate:
                 continue
             if ranked is None:
                 ranked = rank_slots(ready, surv)

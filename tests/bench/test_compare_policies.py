@@ -98,6 +98,15 @@ def test_policy_plan_skips_the_oracle_drafters_length_oracle(compare: ModuleType
     assert ("shipped", "oracle-len") in plan and ("weak", "oracle-len") in plan
     assert ("oracle", "oracle-len") not in plan and ("oracle", "cost") in plan
     assert len(plan) == 2 + 3 + 3 + 2
+    only = compare.policy_plan(["shipped", "weak", "oracle"], with_hf=False, criteria_only=True)
+    assert only == [
+        (None, "ar"),
+        ("shipped", "head"),
+        ("shipped", "cost"),
+        ("shipped", "oracle-len"),
+        ("weak", "cost"),
+        ("oracle", "cost"),
+    ]
 
 
 def test_the_llamacpp_peer_row_runs_c_prompts_a_batch_and_reports_their_rate(

@@ -105,7 +105,13 @@ class PinnedCost(CostModel):
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
         pass
 
-    def observe_drafting_step(self, predicted: float, measured: float) -> None:
+    def observe_drafting_step(
+        self,
+        predicted: float,
+        measured: float,
+        expected: float | None = None,
+        committed: float | None = None,
+    ) -> None:
         pass
 
     def plain_stale(self, requests: int) -> bool:

@@ -1,5 +1,6 @@
 """The online cost model learns a machine's costs; the cost policy decides with them."""
 
+import pytest
 import torch
 
 from adaflash.config import SamplingParams
@@ -517,6 +518,25 @@ def test_drafting_steps_that_took_longer_than_priced_make_drafting_dearer():
     assert cost.drafting_bias <= 0.9 * 1.3 + 0.1 * 2.0
     cost.observe_drafting_step(0.0, 1.0)  # nothing priced: nothing learned
     assert cost.drafting_bias <= 0.9 * 1.3 + 0.1 * 2.0
+
+
+def test_drafting_steps_that_committed_fewer_tokens_than_expected_make_drafting_dearer():
+    """The tokens side of the same check: a narrow predicted gain drafts while drafting steps
+    commit what they were expected to, and not once they have lately committed 3/4 of it."""
+    cost, policy, reqs = drafting_eight(0.040)
+    ctx = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
+    for _ in range(30):
+        cost.observe_drafting_step(0.050, 0.050, 20.0, 20.0)
+    assert cost.drafting_yield == pytest.approx(1.0) and len(policy.drafters(reqs, ctx)) == 8
+    for _ in range(30):
+        cost.observe_drafting_step(0.050, 0.050, 20.0, 15.0)
+    assert 0.75 < cost.drafting_yield < 0.77 and cost.snapshot()["drafting_yield"] < 0.77
+    assert policy.drafters(reqs, ctx) == []
+    cost.observe_drafting_step(0.050, 0.050, 20.0, 200.0)  # one lucky step: clipped to 1.5×
+    assert cost.drafting_yield <= 0.9 * 0.77 + 0.1 * 1.5
+    before = cost.drafting_yield
+    cost.observe_drafting_step(0.050, 0.050, None, 3.0)  # nothing expected: nothing learned
+    assert cost.drafting_yield == before
 
 
 def test_a_plain_price_is_stale_until_measured_and_again_after_a_while():
