@@ -1268,6 +1268,9 @@ def main() -> None:
     )
     rows: list[dict] = []
     curves: dict[str, list[float]] = {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "results.partial.json"
     for i, domain in enumerate(args.domains):
         all_prompts = [
             encode_prompt(tok, p.prompt, chat=True)
@@ -1280,8 +1283,8 @@ def main() -> None:
             if i == 0:
                 warm_up(s, all_prompts, drafters)
             rows += policy_domain(s, domain, all_prompts, ar_ref, drafters)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        # what is done so far, should the run be stopped (removed once results.json is written)
+        partial.write_text(json.dumps({"args": vars(args), "rows": rows}, default=str) + "\n")
     result = {
         "benchmark": "bench/compare.py",
         "args": {
@@ -1309,6 +1312,7 @@ def main() -> None:
         result["criteria"] = criteria(rows)
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "table.md").write_text(markdown(result))
+    partial.unlink(missing_ok=True)
     pngs = charts(result, out)
     print(f"wrote {out}/results.json, table.md, {', '.join(pngs)} ({result['minutes']} min)")
 
