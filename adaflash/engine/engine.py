@@ -270,6 +270,7 @@ class Engine:
             self.cfg.max_batch_tokens,
             sum(p.n for p in prefills),
             max((p.n for p in prefills), default=0),
+            waiting=len(self.scheduler.waiting),
         )
         res = speculative_round(
             self.target,
@@ -518,6 +519,7 @@ class Engine:
                     r.slot_seen, r.slot_ok, r.probe_gap = [], [], 0  # and so does its profile
                     r.shadow = None  # … and what its probe drafted
                 self._policy = make_policy(self.policy, self.block_size)
+                self.cost.drafting_yield = 1.0  # what the old one's plans committed
                 self.stats.swaps += 1
                 self._request_graphs()
             elif isinstance(cmd, _SetPolicy):

@@ -12,6 +12,7 @@ from adaflash.engine.policy import (
     PROBE_START_S,
     CostPolicy,
     PolicyContext,
+    freed_value,
     probe_outcome,
 )
 from adaflash.engine.request import Request
@@ -137,8 +138,10 @@ def test_the_drafters_bound_skips_only_plans_that_cannot_win(monkeypatch):
             q = float(torch.rand(1, generator=g))
             for _ in range(12):
                 policy.observe(r, k, int((k - 1) * q * float(torch.rand(1, generator=g))), k)
-        ctx = PolicyContext(k, 1.0, cost, budget=16 * n_req, other_tokens=0)
+        # every other trial with a request queued: drafted tokens then count in full
+        ctx = PolicyContext(k, 1.0, cost, budget=16 * n_req, other_tokens=0, waiting=trial % 2)
         # the reference: plan every prefix of the same order, keep the best (plain if none wins)
+        policy.freed = freed_value(n_req, ctx, cost.target_s(n_req, n_req))
         surv = {id(r): policy.survival(r, k) for r in reqs}
         order = sorted(reqs, key=lambda r: -sum(surv[id(r)]))
         best_n, best = 0, n_req / cost.target_s(n_req, n_req)
@@ -319,7 +322,8 @@ def test_probes_that_ride_along_spend_the_budget_they_add():
         for d in (1, 4, 16):
             cost.observe_drafter(d, 0.010 + 0.020 * d)  # 20 ms a request
     policy = CostPolicy(k, probe_every=4)
-    ctx = PolicyContext(k, 1.0, cost, budget=16 * n, other_tokens=0)
+    # a request queued: the good one's drafts count in full (``freed_value``)
+    ctx = PolicyContext(k, 1.0, cost, budget=16 * n, other_tokens=0, waiting=1)
     good, others = req(0), [req(i) for i in range(1, n)]
     for _ in range(20):
         policy.observe(good, k, k - 1, k)  # everything accepted: drafting it pays
@@ -482,6 +486,43 @@ def test_the_cost_policy_drafts_at_several_requests_where_the_batched_graph_make
     widths = policy.widths(chosen, None, ctx)
     assert int(widths.max()) <= 4 and int(widths.min()) >= 2
     assert abs(policy.predicted_s - (policy.draft_s + 0.024)) < 1e-9
+
+
+def test_a_drafted_token_is_worth_what_finishing_sooner_frees():
+    """With a request queued, or alone, a token that finishes a request sooner is worth a full
+    token; else what one request fewer saves of the plain step, per request's share: nothing
+    where 7 requests pad up to the same compiled batch-8 step as 8, part of it on a line."""
+    padded, _, _ = drafting_eight(0.024)
+    ctx = PolicyContext(16, 1.0, padded, budget=512, other_tokens=0)
+    assert freed_value(8, ctx, padded.target_s(8, 8)) == 0.0
+    queued = PolicyContext(16, 1.0, padded, budget=512, other_tokens=0, waiting=2)
+    assert freed_value(8, queued, padded.target_s(8, 8)) == 1.0
+    assert freed_value(1, ctx, padded.target_s(1, 1)) == 1.0
+    line = CostModel()  # eager plain steps: 10 ms + 2 ms a request
+    for n in (3, 4):
+        for _ in range(20):
+            line.observe_target(n, n, 0.010 + 0.002 * n)
+    ctx = PolicyContext(16, 1.0, line, budget=512, other_tokens=0)
+    assert freed_value(4, ctx, line.target_s(4, 4)) == pytest.approx(4 * 0.002 / 0.018)
+
+
+def test_without_a_queue_drafting_for_some_requests_of_a_padded_batch_does_not_pay():
+    """Eight requests on a compiled batch-8 step, four of them hopeless. Drafting for the other
+    four commits their tokens sooner, but with nobody queued for their slots the batch runs as
+    long as the hopeless four, on the same padded step: the policy keeps to plain steps. With a
+    request queued, the four draft; and with every request good, all eight draft (the batch
+    then finishes sooner)."""
+    cost, policy, reqs = drafting_eight(0.030)
+    for r in reqs[4:]:
+        for _ in range(40):
+            policy.observe(r, 16, 0, 16)
+    queued = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0, waiting=1)
+    chosen = policy.drafters(reqs, queued)
+    assert chosen and {id(r) for r in chosen} <= {id(r) for r in reqs[:4]}
+    alone = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
+    assert policy.drafters(reqs, alone) == [] and policy.freed == 0.0
+    cost, policy, reqs = drafting_eight(0.030)
+    assert len(policy.drafters(reqs, alone)) == 8
 
 
 def drafting_eight(verify_s: float) -> tuple[CostModel, CostPolicy, list[Request]]:
