@@ -295,7 +295,7 @@ class CostPolicy(Policy):
         # them (the batch runs as long as its slowest); ``extra``: each request's expected drafts
         freed, whole = self.freed, not plain and self.freed < 1.0
         extra = dict.fromkeys(widths, 0.0) if whole else {}
-        worth = batch
+        worth, least = batch, 0.0  # least: the least of ``extra``
         n_tok = len(reqs) + plain + ctx.other_tokens
         n_req = len(reqs) + plain
         widest = max(1, ctx.other_widest)  # the widest request's tokens so far
@@ -327,8 +327,9 @@ class CostPolicy(Policy):
             worth = tokens
             if freed < 1.0:
                 if whole:
-                    extra[rid] += s
-                least = min(extra.values()) if whole else 0.0
+                    held, extra[rid] = extra[rid], extra[rid] + s
+                    if held <= least:  # it held the least: the least may have risen
+                        least = min(extra.values())
                 worth = batch + max(freed * (tokens - batch), batch * least)
             rate = value * worth / (fixed + pass_s(n_tok))
             if rate > best_rate:
