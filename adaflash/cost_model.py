@@ -182,11 +182,14 @@ class CostModel:
         commit (unscaled) and the tokens it committed. Their ratios, decayed, are
         ``drafting_bias`` and ``drafting_yield``."""
         if predicted > 0:
-            ratio = min(max(measured / predicted, BIAS_RANGE[0]), BIAS_RANGE[1])
-            self.drafting_bias += BIAS_RATE * (ratio - self.drafting_bias)
+            self.drafting_bias = drift(self.drafting_bias, measured / predicted, BIAS_RANGE)
         if expected and committed is not None:
-            got = min(max(committed / expected, YIELD_RANGE[0]), YIELD_RANGE[1])
-            self.drafting_yield += BIAS_RATE * (got - self.drafting_yield)
+            self.drafting_yield = drift(self.drafting_yield, committed / expected, YIELD_RANGE)
+
+    def new_drafter(self) -> None:
+        """A new drafter version: what its plans commit is not known yet (its time side, and
+        every pass's price, still hold)."""
+        self.drafting_yield = 1.0
 
     @property
     def drafting_value(self) -> float:
@@ -298,6 +301,11 @@ class CostModel:
             "target_steps_seen": float(self.target_passes),
             "drafter_steps_seen": float(self.drafter.seen),
         }
+
+
+def drift(value: float, ratio: float, bounds: tuple[float, float]) -> float:
+    """``value`` moved ``BIAS_RATE`` of the way to ``ratio`` clipped to ``bounds``."""
+    return value + BIAS_RATE * (min(max(ratio, bounds[0]), bounds[1]) - value)
 
 
 def batched_verification(

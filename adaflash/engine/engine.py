@@ -519,7 +519,7 @@ class Engine:
                     r.slot_seen, r.slot_ok, r.probe_gap = [], [], 0  # and so does its profile
                     r.shadow = None  # … and what its probe drafted
                 self._policy = make_policy(self.policy, self.block_size)
-                self.cost.drafting_yield = 1.0  # what the old one's plans committed
+                self.cost.new_drafter()
                 self.stats.swaps += 1
                 self._request_graphs()
             elif isinstance(cmd, _SetPolicy):

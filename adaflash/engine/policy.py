@@ -324,13 +324,11 @@ class CostPolicy(Policy):
             taken.append((rid, w))
             tokens += s
             n_tok += 1
-            worth = tokens
-            if freed < 1.0:
-                if whole:
-                    held, extra[rid] = extra[rid], extra[rid] + s
-                    if held <= least:  # it held the least: the least may have risen
-                        least = min(extra.values())
-                worth = batch + max(freed * (tokens - batch), batch * least)
+            if whole:
+                held, extra[rid] = extra[rid], extra[rid] + s
+                if held <= least:  # it held the least: the least may have risen
+                    least = min(extra.values())
+            worth = drafts_worth(batch, tokens, freed, least)
             rate = value * worth / (fixed + pass_s(n_tok))
             if rate > best_rate:
                 best_rate, best_taken = rate, len(taken)
@@ -369,7 +367,9 @@ class CostPolicy(Policy):
             # are worth, where others take a plain step: ``freed_value``) over the cheapest step
             # they could take do not (a drafter that does not pay: no plan at all, which was
             # most of this policy's time per step)
-            worth = tokens if n == len(ready) else len(ready) + self.freed * (tokens - len(ready))
+            # (with all drafting, at most all of it: as if the least gained the average)
+            least = (tokens - len(ready)) / len(ready) if n == len(ready) else 0.0
+            worth = drafts_worth(len(ready), tokens, self.freed, least)
             step_s = ctx.cost.drafter_s(n, pending) + least_pass
             if ctx.cost.drafting_value * worth / step_s <= best_rate:
                 continue
@@ -472,6 +472,16 @@ def freed_value(requests: int, ctx: PolicyContext, plain_s: float) -> float:
         return 1.0
     fewer = ctx.cost.target_s(requests - 1 + ctx.other_tokens, requests - 1)
     return min(max(requests * (plain_s - fewer) / plain_s, 0.0), 1.0)
+
+
+def drafts_worth(batch: float, tokens: float, freed: float, least: float) -> float:
+    """What a plan's ``tokens`` expected over a ``batch`` of requests (one each certain) are
+    worth: the drafted ones at ``freed`` (``freed_value``), but in full as far as every request
+    gains them (``least``: the least expected drafts of one request; 0 where some do not
+    draft)."""
+    if freed >= 1.0:
+        return tokens
+    return batch + max(freed * (tokens - batch), batch * least)
 
 
 def probe_outcome(r: Request) -> tuple[int, int] | None:

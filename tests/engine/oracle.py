@@ -105,13 +105,7 @@ class PinnedCost(CostModel):
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
         pass
 
-    def observe_drafting_step(
-        self,
-        predicted: float,
-        measured: float,
-        expected: float | None = None,
-        committed: float | None = None,
-    ) -> None:
+    def observe_drafting_step(self, *args: float | None, **kwargs: float | None) -> None:
         pass
 
     def plain_stale(self, requests: int) -> bool:
