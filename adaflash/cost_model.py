@@ -52,6 +52,10 @@ calibration (``CostPolicy.calibration``) corrects each slot on average over the 
 verified it; a drafting step's tokens are also off where a request's own profile is stale (an
 oracle drafter whose request left its reference on a bf16 near-tie: committed 1/1.05–1/1.10 of
 its expected tokens at 8 requests on a Zen 3 EPYC, after the time side was calibrated).
+Where nobody is queued and every request drafts, a plan is worth its least request's expected
+drafts for the whole batch (``policy.drafts_worth``), but the batch runs as long as the request
+that ends up last: ``whole_yield`` is what such steps gained the batch (``policy.batch_gain``)
+÷ what they were planned at, decayed, and it scales that least.
 """
 
 from __future__ import annotations
@@ -103,6 +107,9 @@ REFRESH_RATE = 0.5  # weight of a measurement taken after its price went stale
 BIAS_RATE = 0.1  # weight of a drafting step's measured ÷ predicted seconds in ``drafting_bias``
 BIAS_RANGE = (0.5, 2.0)  # one step's ratio is clipped to this (a GC pause, a compile)
 YIELD_RANGE = (0.5, 1.5)  # … and one step's committed ÷ expected tokens to this
+WHOLE_DECAY = 0.95  # per all-request drafting step: ``whole_yield`` follows its last ~20
+WHOLE_PRIOR = 1.0  # planned drafts' worth of "as planned" it starts from
+WHOLE_MAX = 1.5  # … and the most it may credit
 
 
 @dataclass
@@ -130,6 +137,10 @@ class CostModel:
     target_passes: int = 0  # every target pass observed (line and tables)
     drafting_bias: float = 1.0  # drafting steps' measured ÷ predicted seconds, decayed
     drafting_yield: float = 1.0  # drafting steps' committed ÷ expected tokens, decayed
+    # all-request drafting steps with nobody queued: drafts the batch as a whole gained and
+    # the least request's expected drafts they were planned at, decayed (``whole_yield``)
+    whole_gained: float = WHOLE_PRIOR
+    whole_planned: float = WHOLE_PRIOR
 
     def observe_target(
         self,
@@ -186,10 +197,26 @@ class CostModel:
         if expected and committed is not None:
             self.drafting_yield = drift(self.drafting_yield, committed / expected, YIELD_RANGE)
 
+    def observe_whole_step(self, planned: float, gained: float) -> None:
+        """A step in which every request drafted and nobody was queued: the least request's
+        expected drafts it was planned at, and the drafts the batch as a whole gained
+        (``policy.batch_gain``: how much sooner its last request will finish)."""
+        self.whole_gained = WHOLE_DECAY * self.whole_gained + gained
+        self.whole_planned = WHOLE_DECAY * self.whole_planned + planned
+
+    @property
+    def whole_yield(self) -> float:
+        """What the batch gained per planned least drafts, lately: a batch with nobody queued
+        runs as long as its last request, so all requests drafting gain it what the one that
+        ends up last gains over the run, not what the least expects each step (sixteen
+        requests tied at the start: each step, the one whose drafts did worst)."""
+        return min(self.whole_gained / self.whole_planned, WHOLE_MAX)
+
     def new_drafter(self) -> None:
         """A new drafter version: what its plans commit is not known yet (its time side, and
         every pass's price, still hold)."""
         self.drafting_yield = 1.0
+        self.whole_gained = self.whole_planned = WHOLE_PRIOR
 
     @property
     def drafting_value(self) -> float:
@@ -298,6 +325,7 @@ class CostModel:
             },
             "drafting_bias": self.drafting_bias,
             "drafting_yield": self.drafting_yield,
+            "whole_yield": self.whole_yield,
             "target_steps_seen": float(self.target_passes),
             "drafter_steps_seen": float(self.drafter.seen),
         }

@@ -266,6 +266,9 @@ def engine_result(
             "tokens": (st.expected_drafting_tokens, st.realised_drafting_tokens),
             # its probes (shadow drafts): how many, draft slots they compared, found accepted
             "probes": (st.probes, st.probe_slots, st.probe_accepted),
+            # its steps in which all drafted with nobody queued: the least request's expected
+            # drafts they were planned at, and the drafts they gained the batch
+            "whole": (st.whole_steps, st.whole_planned, st.whole_gained),
         },
         "_outputs": {tuple(p): list(r.output_ids) for p, r in zip(prompts, recs, strict=True)},
     }
@@ -629,6 +632,11 @@ def policy_rows(domain: str, c: int, runs: dict[Key, list[dict]]) -> list[dict]:
             realised = sum(p["tokens"][1] for p in pricing if "tokens" in p)
             if realised > 0:
                 row["drafting_tokens_expected_over_realised"] = round(expected / realised, 3)
+            whole = [p["whole"] for p in pricing if "whole" in p]
+            row["whole_steps"] = sum(n for n, _, _ in whole)
+            planned = sum(p for _, p, _ in whole)
+            if planned > 0:
+                row["whole_gained_over_planned"] = round(sum(g for *_, g in whole) / planned, 3)
             probes = [p["probes"] for p in pricing if "probes" in p]
             row["probes"] = sum(n for n, _, _ in probes)
             slots = sum(s for _, s, _ in probes)

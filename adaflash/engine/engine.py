@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from adaflash.config import DEFAULT_BLOCK_SIZE, POLICIES, EngineConfig, SamplingParams
 from adaflash.cost_model import CostModel
 from adaflash.engine.detokenize import cut_at_stop
-from adaflash.engine.policy import Policy, PolicyContext, make_policy, probe_outcome
+from adaflash.engine.policy import (
+    Policy,
+    PolicyContext,
+    batch_gain,
+    make_policy,
+    probe_outcome,
+)
 from adaflash.engine.records import NullSink, RecordSink, RequestRecord, RoundRecord
 from adaflash.engine.request import (
     EventCallback,
@@ -80,6 +86,11 @@ class EngineStats:
     # (how well the acceptance profiles predict: a plan that expects more than it gets loses)
     expected_drafting_tokens: float = 0.0
     realised_drafting_tokens: float = 0.0
+    # … of which steps in which every request drafted with nobody queued: the least request's
+    # expected drafts they were planned at, and the drafts they gained the batch (``batch_gain``)
+    whole_steps: int = 0
+    whole_planned: float = 0.0
+    whole_gained: float = 0.0
     # the cost policy's probes (shadow drafts checked against the tokens committed after them)
     probes: int = 0
     probe_slots: int = 0  # draft slots they compared …
@@ -330,6 +341,14 @@ class Engine:
         committed = sum(1 + v.accepted for v in res.verified)
         if any(v.plan.verify_len > 1 for v in res.verified):  # drafts verified (not probes)
             self.cost.observe_drafting_step(predicted, measured, expected, committed)
+            least = self._policy.whole_least
+            if least is not None:  # every request drafted, nobody queued: what the batch got
+                left = [v.plan.req.tokens_left for v in res.verified]
+                gained = batch_gain(left, [1 + v.accepted for v in res.verified])
+                self.cost.observe_whole_step(least, gained)
+                self.stats.whole_steps += 1
+                self.stats.whole_planned += least
+                self.stats.whole_gained += gained
         if res.drafted:
             self.stats.predicted_drafting_s += predicted
             self.stats.measured_drafting_s += measured

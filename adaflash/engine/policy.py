@@ -26,11 +26,13 @@ queued one in, or it was the only one. With nobody queued, the batch runs as lon
 request, so a plan's extra tokens are worth what the plain step saves with one request fewer
 (nothing where both pad up to one compiled batch size; ``freed_value``), except as far as every
 request gains them (a plan in which all draft is worth its least request's expected drafts,
-times the batch). A request that has not drafted for ``probe_every`` rounds is probed (its
-profile may be stale after a hot swap or on a new domain); a probe that finds nothing doubles
-that gap (up to 256 rounds), one that finds accepted drafts resets it. A probe is a *shadow*
-draft: the drafter proposes the request's whole block, the target does not verify it, and the
-request takes its plain step as if nothing had been drafted. The tokens it then commits are the
+times the batch, times what such plans gained the batch lately per drafts planned:
+``CostModel.whole_yield``, ``batch_gain``). A request that has not drafted for
+``probe_every`` rounds is probed (its profile may be stale after a hot swap or on a new
+domain); a probe that finds nothing doubles that gap (up to 256 rounds), one that finds
+accepted drafts resets it. A probe is a *shadow* draft: the drafter proposes the request's
+whole block, the target does not verify it, and the request takes its plain step as if
+nothing had been drafted. The tokens it then commits are the
 answer key: the drafts matched before the first miss are what verifying the block would have
 accepted — exactly under greedy decoding, and in distribution under sampling, since a draft the
 drafter proposes with certainty is accepted with the target's probability of that token, the
@@ -92,6 +94,9 @@ class Policy:
     predicted_s: float | None = None  # this step's time as planned, where a policy plans it
     expected_tokens: float | None = None  # … and the tokens it expects the step to commit
     probes: Sequence[Request] = ()  # this step's shadow drafts (``drafters`` sets them)
+    # a plan in which every request drafts with nobody queued: its least request's expected
+    # drafts (what the plan counted for the whole batch); None for any other step
+    whole_least: float | None = None
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
         return ready
@@ -183,6 +188,8 @@ class CostPolicy(Policy):
         self.expected_tokens: float | None = None  # … and its tokens (verified requests')
         self.draft_s = 0.0  # this step's drafter pass as planned
         self.freed = 1.0  # this step's ``freed_value``
+        self.whole_least: float | None = None
+        self.planned_least: float | None = None  # ``plan``'s, for its best widths
         self.reset()
 
     def reset(self) -> None:
@@ -281,7 +288,9 @@ class CostPolicy(Policy):
         take a plain step): greedy slots by survival. ``ranked`` (every candidate slot of a
         superset of ``reqs``, by survival) and ``target_s`` (pass seconds by token count and
         the compiled graph that runs it, this step's request count) let ``drafters`` plan many
-        subsets for the price of one sort."""
+        subsets for the price of one sort. Sets ``planned_least``: where the drafts count for
+        the whole batch (all draft, nobody queued: ``freed_value`` < 1), the least request's
+        expected drafts at the best widths; else None."""
         k = ctx.block_size
         surv = survival or {id(r): self.survival(r, k) for r in reqs}
         if ranked is None:
@@ -296,6 +305,9 @@ class CostPolicy(Policy):
         freed, whole = self.freed, not plain and self.freed < 1.0
         extra = dict.fromkeys(widths, 0.0) if whole else {}
         worth, least = batch, 0.0  # least: the least of ``extra``
+        # … of which the batch as a whole gained that share lately (``whole_yield``)
+        whole_yield = ctx.cost.whole_yield if whole else 1.0
+        best_least = 0.0
         n_tok = len(reqs) + plain + ctx.other_tokens
         n_req = len(reqs) + plain
         widest = max(1, ctx.other_widest)  # the widest request's tokens so far
@@ -328,17 +340,19 @@ class CostPolicy(Policy):
                 held, extra[rid] = extra[rid], extra[rid] + s
                 if held <= least:  # it held the least: the least may have risen
                     least = min(extra.values())
-            worth = drafts_worth(batch, tokens, freed, least)
+            worth = drafts_worth(batch, tokens, freed, least * whole_yield)
             rate = value * worth / (fixed + pass_s(n_tok))
             if rate > best_rate:
-                best_rate, best_taken = rate, len(taken)
+                best_rate, best_taken, best_least = rate, len(taken), least
         best = {id(r): 1 for r in reqs}  # the widths at the best prefix of added slots
         for rid, w in taken[:best_taken]:
             best[rid] = w
+        self.planned_least = best_least if whole else None
         return best_rate, best
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
         self.predicted_s = self.expected_tokens = None  # prefills only: nothing planned
+        self.whole_least = None
         self.probes = []
         if not ready:
             return []
@@ -369,6 +383,8 @@ class CostPolicy(Policy):
             # most of this policy's time per step)
             # (with all drafting, at most all of it: as if the least gained the average)
             least = (tokens - len(ready)) / len(ready) if n == len(ready) else 0.0
+            if self.freed < 1.0:
+                least *= ctx.cost.whole_yield
             worth = drafts_worth(len(ready), tokens, self.freed, least)
             step_s = ctx.cost.drafter_s(n, pending) + least_pass
             if ctx.cost.drafting_value * worth / step_s <= best_rate:
@@ -449,6 +465,7 @@ class CostPolicy(Policy):
         surv = {id(r): self.survival(r, k) for r in spec}
         _, widths = self.plan(spec, ctx, ctx.plain_requests, surv)
         chosen = [widths[id(r)] for r in spec]
+        self.whole_least = self.planned_least if max(chosen) > 1 else None
         n_req = len(spec) + ctx.plain_requests
         n_tok = sum(chosen) + ctx.plain_requests + ctx.other_tokens
         widest = max([*chosen, max(1, ctx.other_widest)])
@@ -482,6 +499,17 @@ def drafts_worth(batch: float, tokens: float, freed: float, least: float) -> flo
     if freed >= 1.0:
         return tokens
     return batch + max(freed * (tokens - batch), batch * least)
+
+
+def batch_gain(left: Sequence[int], progress: Sequence[int]) -> int:
+    """The drafts a step gained a batch with nobody queued, beyond a plain step's one token
+    each: how many steps sooner its last request now finishes. ``left``: each request's tokens
+    left before the step (``Request.tokens_left``); ``progress``: the tokens each committed.
+    Summed over steps it telescopes to exactly how much sooner the batch ends, whichever request
+    is last; requests tied at the start gain the batch, each step, only what the one that did
+    worst gained."""
+    after = max(max(n - p, 0) for n, p in zip(left, progress, strict=True))
+    return max(max(left) - after - 1, 0)
 
 
 def probe_outcome(r: Request) -> tuple[int, int] | None:

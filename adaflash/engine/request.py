@@ -12,19 +12,30 @@ from adaflash.config import SamplingParams
 from adaflash.engine.records import RequestRecord
 from adaflash.models.kv_cache import Rows
 
-ONE_COPY_MIN = 6  # FeatureStore.append_many: fewer slots append one at a time
+ONE_COPY_MIN = 6  # FeatureStore: one step's rows of fewer slots are written one slot at a time
+# FeatureStore.append_many holds steps' rows back until this many are waiting, or until they are
+# read, and writes them all in one copy (one copy a step of 16 rows took ~0.5 ms of a 37 ms
+# compiled batch-16 step on a Zen 4 EPYC, while nobody drafted, and so nobody read them)
+DEFER_ROWS = 512
 
 
 class FeatureStore:
     """The target features of every request's committed positions (the drafter context), in one
     pool (rows, capacity, K·H) that grows by doubling and is never freed per request (see
     ``models/kv_cache.py`` for why). Kept raw, before the drafter's ``fc``, so the drafter
-    context can be rebuilt after a hot swap."""
+    context can be rebuilt after a hot swap. ``length`` counts the rows appended; those of
+    ``append_many`` are written when read (``view``), when a slot is freed, or once
+    ``DEFER_ROWS`` are waiting (``flush``)."""
 
     def __init__(self, width: int, dtype: torch.dtype, capacity: int = 256, rows: int = 4) -> None:
-        self.data = torch.zeros(rows, capacity, width, dtype=dtype)
+        # never read past a slot's length, so never cleared: a cleared pool touched every page
+        # of it as it grew (16 requests' growth to 512 positions: ~40 ms of a 4.4 s run)
+        self.data = torch.empty(rows, capacity, width, dtype=dtype)
         self.rows = Rows()
         self.length: dict[int, int] = {}
+        # steps' rows not yet written: (the step's rows, [(slot, position, first row, n)])
+        self.deferred: list[tuple[torch.Tensor, list[tuple[int, int, int, int]]]] = []
+        self.deferred_rows = 0
 
     @torch.inference_mode()
     def allocate(self) -> int:
@@ -38,6 +49,7 @@ class FeatureStore:
     def free(self, slot: int) -> None:
         if slot not in self.rows.row:
             return
+        self.flush()  # rows move below: what is waiting is written where it belongs first
         moved = self.rows.remove(slot)
         self.length.pop(slot)
         if moved is not None:
@@ -47,37 +59,58 @@ class FeatureStore:
 
     @torch.inference_mode()
     def append(self, slot: int, rows: torch.Tensor) -> None:
-        """rows (n, K·H) after the slot's committed features."""
+        """rows (n, K·H) after the slot's committed features, written now."""
         start, n = self.length[slot], rows.shape[0]
         self._fit(start + n)
         self.data[self.rows.row[slot], start : start + n] = rows
         self.length[slot] = start + n
 
-    @torch.inference_mode()
     def append_many(self, parts: list[tuple[int, int, int]], src: torch.Tensor) -> None:
-        """Several slots' rows in one copy: ``parts`` (slot, first row of ``src``, n), each
-        slot once. Fewer than ``ONE_COPY_MIN`` go one at a time: a /tmp micro-benchmark (one
-        thread, beside a test run) took 193–222 µs for 16 one-row appends one at a time and
-        118–134 µs in one copy, but 59–60 against 69 µs for 4."""
-        if len(parts) < ONE_COPY_MIN:
-            for slot, first, n in parts:
-                self.append(slot, src[first : first + n])
-            return
-        self._fit(max(self.length[slot] + n for slot, _, n in parts))
-        rows: list[int] = []
-        pos: list[int] = []
-        take: list[int] = []
-        for slot, first, n in parts:
-            start = self.length[slot]
-            rows += [self.rows.row[slot]] * n
-            pos += range(start, start + n)
-            take += range(first, first + n)
-        self.data[torch.tensor(rows), torch.tensor(pos)] = src[torch.tensor(take)]
-        for slot, _, n in parts:  # after the copy: a failed one changed no length
+        """Several slots' rows of one step: ``parts`` (slot, first row of ``src``, n), each
+        slot once; held back with the steps before (``flush``). Raises before recording any
+        of them (an unknown slot, a failed copy of those waiting): the caller may append
+        them one at a time instead."""
+        n_rows = sum(n for *_, n in parts)
+        if self.deferred_rows + n_rows >= DEFER_ROWS:
+            self.flush()
+        placed = [(slot, self.length[slot], first, n) for slot, first, n in parts]
+        for slot, _, _, n in placed:
             self.length[slot] += n
+        self.deferred.append((src, placed))
+        self.deferred_rows += n_rows
+
+    @torch.inference_mode()
+    def flush(self) -> None:
+        """Write the rows ``append_many`` held back, in one copy (slot by slot where one step
+        of fewer than ``ONE_COPY_MIN`` slots waits: a /tmp micro-benchmark, one thread beside a
+        test run, took 193–222 µs for 16 one-row appends one at a time and 118–134 µs in one
+        copy, but 59–60 against 69 µs for 4). Should it fail, they keep waiting."""
+        if not self.deferred:
+            return
+        self._fit(max(pos + n for _, placed in self.deferred for _, pos, _, n in placed))
+        if len(self.deferred) == 1 and len(self.deferred[0][1]) < ONE_COPY_MIN:
+            src, placed = self.deferred[0]
+            for slot, pos, first, n in placed:
+                self.data[self.rows.row[slot], pos : pos + n] = src[first : first + n]
+        else:
+            rows: list[int] = []
+            positions: list[int] = []
+            take: list[int] = []
+            offset = 0
+            for src, placed in self.deferred:
+                for slot, pos, first, n in placed:
+                    rows += [self.rows.row[slot]] * n
+                    positions += range(pos, pos + n)
+                    take += range(offset + first, offset + first + n)
+                offset += src.shape[0]
+            srcs = [src for src, _ in self.deferred]
+            joined = torch.cat(srcs) if len(srcs) > 1 else srcs[0]
+            self.data[torch.tensor(rows), torch.tensor(positions)] = joined[torch.tensor(take)]
+        self.deferred, self.deferred_rows = [], 0
 
     def view(self, slot: int, start: int = 0) -> torch.Tensor:
         """(n, K·H) features of positions start … committed − 1."""
+        self.flush()
         return self.data[self.rows.row[slot], start : self.length[slot]]
 
     def _fit(self, positions: int) -> None:
@@ -87,8 +120,10 @@ class FeatureStore:
 
     @torch.inference_mode()
     def _resize(self, rows: int, capacity: int) -> None:
-        grown = torch.zeros(rows, capacity, self.data.shape[2], dtype=self.data.dtype)
-        used, longest = len(self.rows), max(self.length.values(), default=0)
+        grown = torch.empty(rows, capacity, self.data.shape[2], dtype=self.data.dtype)
+        used = len(self.rows)
+        # rows still held back may reach past the old capacity: they are written after this
+        longest = min(max(self.length.values(), default=0), self.data.shape[1])
         grown[:used, :longest] = self.data[:used, :longest]
         self.data = grown
 

@@ -159,6 +159,9 @@ class EngineRunner:
             "probes": st.probes,
             "probe_slots_compared": st.probe_slots,
             "probe_slots_accepted": st.probe_accepted,
+            "whole_steps": st.whole_steps,
+            "whole_drafts_planned": st.whole_planned,
+            "whole_drafts_gained": st.whole_gained,
         }
 
     def compiled_decode(self) -> tuple[str, int]:

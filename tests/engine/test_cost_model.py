@@ -12,6 +12,7 @@ from adaflash.engine.policy import (
     PROBE_START_S,
     CostPolicy,
     PolicyContext,
+    batch_gain,
     freed_value,
     probe_outcome,
 )
@@ -523,6 +524,48 @@ def test_without_a_queue_drafting_for_some_requests_of_a_padded_batch_does_not_p
     assert policy.drafters(reqs, alone) == [] and policy.freed == 0.0
     cost, policy, reqs = drafting_eight(0.030)
     assert len(policy.drafters(reqs, alone)) == 8
+
+
+def test_a_batch_gains_what_its_last_request_gains():
+    """``batch_gain``: tied requests gain the batch only what the one that did worst gained;
+    a request ahead of the others gains it nothing; summed over steps it is exactly how much
+    sooner the batch ends than with plain steps, whichever request is last."""
+    assert batch_gain([10, 10, 10], [3, 1, 2]) == 0
+    assert batch_gain([10, 10, 10], [3, 4, 2]) == 1
+    assert batch_gain([10, 5], [3, 1]) == 2 and batch_gain([10, 5], [1, 5]) == 0
+    assert batch_gain([2, 2], [4, 3]) == 1  # nothing past the end counts
+    g = torch.Generator().manual_seed(2)
+    left, steps, gained = [40] * 6, 0, 0
+    while max(left) > 0:
+        progress = [1 + int(torch.randint(0, 4, (1,), generator=g)) for _ in left]
+        gained += batch_gain(left, progress)
+        left = [max(n - p, 0) for n, p in zip(left, progress, strict=True)]
+        steps += 1
+    assert steps + gained == 40
+
+
+def test_all_request_drafting_with_nobody_queued_is_worth_what_it_gained_the_batch():
+    """Eight requests, all drafting, nobody queued: the plan counts its least request's
+    expected drafts for the whole batch, and says so (``whole_least``). Once such steps have
+    gained the batch a fifth of that lately (``whole_yield``), all eight keep to plain steps;
+    with a request queued every drafted token counts and they draft; a new drafter starts over."""
+    cost, policy, reqs = drafting_eight(0.030)
+    alone = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
+    chosen = policy.drafters(reqs, alone)
+    assert len(chosen) == 8
+    policy.widths(chosen, None, alone)
+    least = policy.whole_least
+    assert least is not None and 1.0 < least < 3.0
+    queued = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0, waiting=1)
+    policy.widths(policy.drafters(reqs, queued), None, queued)
+    assert policy.whole_least is None  # the drafts count in full: not a whole-batch plan
+    for _ in range(60):
+        cost.observe_whole_step(least, 0.2 * least)
+    assert 0.2 < cost.whole_yield < 0.25 and cost.snapshot()["whole_yield"] < 0.25
+    assert policy.drafters(reqs, alone) == [] and policy.whole_least is None
+    assert len(policy.drafters(reqs, queued)) == 8
+    cost.new_drafter()
+    assert cost.whole_yield == 1.0 and len(policy.drafters(reqs, alone)) == 8
 
 
 def drafting_eight(verify_s: float) -> tuple[CostModel, CostPolicy, list[Request]]:

@@ -70,6 +70,8 @@ def test_greedy_matches_hf_generate(tiny, references, policy, drafter_kind):
         assert st.probes > 0 and st.probe_slots >= st.probes  # probed first, probes answered
         if drafter_kind == "oracle":  # every width happened: plain steps and verified drafts
             assert c.rounds > c.slot_verified[0] > 0
+            # all four drafted with nobody queued, and what that gained the batch was measured
+            assert st.whole_steps > 0 and st.whole_planned > 0 and st.whole_gained > 0
         else:  # drafts that are never right: probed, never verified, every step a plain one
             assert st.probe_accepted == 0 and c.slot_verified[0] == 0
             assert st.predicted_plain_s > 0 and st.measured_plain_s > 0

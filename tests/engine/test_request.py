@@ -44,6 +44,50 @@ def test_append_many_equals_appends_one_slot_at_a_time(monkeypatch, one_copy_min
         torch.testing.assert_close(many.view(b), one.view(a))
 
 
+def test_append_many_holds_rows_back_until_read_freed_or_enough_wait(monkeypatch):
+    """Steps' rows wait (lengths count them) and are written in one copy when a slot is read,
+    when one is freed (rows move), or before the step that would make ``DEFER_ROWS`` wait; a
+    copy that fails keeps them waiting and records nothing of the step that triggered it."""
+    monkeypatch.setattr(request_module, "DEFER_ROWS", 8)
+    store = FeatureStore(2, torch.float32, capacity=4, rows=2)
+    a, b = store.allocate(), store.allocate()
+    store.data.fill_(-1.0)  # the pool is never cleared: mark what nothing wrote
+
+    def step(i: int) -> torch.Tensor:  # rows 1 and 2 kept: a's and b's
+        src = torch.full((3, 2), float(i))
+        src[2] += 0.5
+        store.append_many([(a, 1, 1), (b, 2, 1)], src)
+        return src
+
+    step(1)
+    assert store.length == {a: 1, b: 1} and store.deferred_rows == 2
+    assert (store.data == -1.0).all()  # nothing written yet
+    assert store.view(a).tolist() == [[1.0, 1.0]] and store.deferred_rows == 0
+    for i in (2, 3, 4):
+        step(i)
+    assert store.deferred_rows == 6
+    step(5)  # 6 + 2 would reach 8: the six are written first, these two wait
+    assert store.deferred_rows == 2
+    assert store.data[store.rows.row[b], :4, 0].tolist() == [1.5, 2.5, 3.5, 4.5]
+    calls = []
+
+    def broken(positions: int) -> None:
+        calls.append(positions)
+        raise MemoryError("no room")
+
+    for i in (6, 7):
+        step(i)
+    assert store.deferred_rows == 6
+    monkeypatch.setattr(store, "_fit", broken)
+    with pytest.raises(MemoryError):
+        step(8)
+    assert calls and store.length == {a: 7, b: 7} and store.deferred_rows == 6
+    monkeypatch.undo()
+    store.free(a)  # b moves into a's row: what waited is written first
+    assert store.deferred_rows == 0 and store.rows.row[b] == 0
+    assert store.view(b)[:, 0].tolist() == [1.5 + i for i in range(7)]
+
+
 @pytest.mark.parametrize(
     ("policy", "copy"), [("fixed", "one"), ("cost", "one"), ("fixed", "fallback")]
 )
