@@ -14,8 +14,8 @@ from adaflash.models.kv_cache import Rows
 
 ONE_COPY_MIN = 6  # FeatureStore: one step's rows of fewer slots are written one slot at a time
 # FeatureStore.append_many holds steps' rows back until this many are waiting, or until they are
-# read, and writes them all in one copy (one copy a step of 16 rows took ~0.5 ms of a 37 ms
-# compiled batch-16 step on a Zen 4 EPYC, while nobody drafted, and so nobody read them)
+# read, and writes them all in one copy (one copy a step of 16 rows took ~0.45 ms, under
+# cProfile, of a ~35 ms compiled batch-16 step on a Zen 4 EPYC where nobody drafted and read them)
 DEFER_ROWS = 512
 
 
