@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import json
 import os
 import platform
@@ -207,7 +208,10 @@ LOCKSTEP_SEED = 0  # the engines' order in each turn of ``run_lockstep``
 
 
 def run_lockstep(
-    engines: dict[Key, Engine], prompts: list[list[int]], params: SamplingParams
+    engines: dict[Key, Engine],
+    prompts: list[list[int]],
+    params: SamplingParams,
+    profiles: dict[Key, cProfile.Profile] | None = None,
 ) -> dict[Key, dict]:
     """The engines serve the same prompts side by side, one step each in turn, each timed on
     its own steps only: a slow spell of the machine lands on all of them alike, at the
@@ -216,7 +220,8 @@ def run_lockstep(
     order (seeded), so none always steps first, or right after the same one. (Turns rotated
     by one until 2026-12-03 kept the cyclic order: each engine stepped right after the same
     other in all but one step of a turn — every ``cost`` engine right after a ``head``
-    engine's eager passes, ``ar`` right after the oracle ``cost`` engine.)"""
+    engine's eager passes, ``ar`` right after the oracle ``cost`` engine.) ``profiles``: each
+    engine's steps run under a cProfile of its own, kept there (``bench/profile_study.py``)."""
     done: dict[Key, dict[str, RequestRecord]] = {key: {} for key in engines}
     ids = {
         key: [e.add_request(p, params, on_finish=finisher(done[key])) for p in prompts]
@@ -228,8 +233,13 @@ def run_lockstep(
     while live:
         for key in order.sample(live, len(live)):
             e = engines[key]
+            prof = None if profiles is None else profiles.setdefault(key, cProfile.Profile())
             t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
             stepped = e.step()
+            if prof is not None:
+                prof.disable()
             spent[key] += time.perf_counter() - t0
             if len(done[key]) == len(prompts) or not (stepped or e.has_work):
                 live.remove(key)

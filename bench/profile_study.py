@@ -14,11 +14,10 @@ study)."""
 from __future__ import annotations
 
 import cProfile
+import functools
 import os
 import pstats
-import random
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -27,32 +26,7 @@ import compare  # bench/ is not a package: its directory on the path, as compare
 
 def main() -> None:
     profiles: dict[compare.Key, cProfile.Profile] = {}
-
-    def run_lockstep(engines, prompts, params):  # compare.run_lockstep, each step profiled
-        done = {key: {} for key in engines}
-        ids = {
-            key: [e.add_request(p, params, on_finish=compare.finisher(done[key])) for p in prompts]
-            for key, e in engines.items()
-        }
-        spent = dict.fromkeys(engines, 0.0)
-        live = list(engines)
-        order = random.Random(compare.LOCKSTEP_SEED)
-        while live:
-            for key in order.sample(live, len(live)):
-                e, prof = engines[key], profiles.setdefault(key, cProfile.Profile())
-                t0 = time.perf_counter()
-                prof.enable()
-                stepped = e.step()
-                prof.disable()
-                spent[key] += time.perf_counter() - t0
-                if len(done[key]) == len(prompts) or not (stepped or e.has_work):
-                    live.remove(key)
-        return {
-            key: compare.engine_result(e, prompts, [done[key][i] for i in ids[key]], spent[key])
-            for key, e in engines.items()
-        }
-
-    compare.run_lockstep = run_lockstep
+    compare.run_lockstep = functools.partial(compare.run_lockstep, profiles=profiles)
     compare.main()
     for key, prof in profiles.items():
         print(f"===== drafter {key[0]}, method {key[1]}")

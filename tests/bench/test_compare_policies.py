@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pstats
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
@@ -183,7 +184,18 @@ def test_lockstep_serves_each_engine_its_prompts_and_times_only_its_own_steps(
 
     slow.step = logged("ar", slow.step, pause=0.1)  # type: ignore[method-assign]
     fixed.step = logged("fixed", fixed.step)  # type: ignore[method-assign]
-    runs = compare.run_lockstep({(None, "ar"): slow, ("random", "fixed"): fixed}, prompts, params)
+    profiles: dict = {}  # each engine's steps under a cProfile of its own (profile_study.py)
+    engines = {(None, "ar"): slow, ("random", "fixed"): fixed}
+    runs = compare.run_lockstep(engines, prompts, params, profiles=profiles)
+    slept = {  # seconds in time.sleep inside each engine's steps
+        key: sum(
+            v[2]
+            for (_, _, fn), v in pstats.Stats(prof).stats.items()  # type: ignore[attr-defined]
+            if fn == "<built-in method time.sleep>"
+        )
+        for key, prof in profiles.items()
+    }
+    assert slept[(None, "ar")] >= 0.1 * 12 > slept[("random", "fixed")]  # its own sleeps only
     turns = [order[i : i + 2] for i in range(0, 16, 2)]  # while both live: a step each a turn
     assert all(sorted(t) == ["ar", "fixed"] for t in turns), turns
     assert {t[0] for t in turns} == {"ar", "fixed"}  # … in an order that changes (seeded)
