@@ -189,7 +189,6 @@ class CostPolicy(Policy):
         self.draft_s = 0.0  # this step's drafter pass as planned
         self.freed = 1.0  # this step's ``freed_value``
         self.whole_least: float | None = None
-        self.planned_least: float | None = None  # ``plan``'s, for its best widths
         self.reset()
 
     def reset(self) -> None:
@@ -288,9 +287,7 @@ class CostPolicy(Policy):
         take a plain step): greedy slots by survival. ``ranked`` (every candidate slot of a
         superset of ``reqs``, by survival) and ``target_s`` (pass seconds by token count and
         the compiled graph that runs it, this step's request count) let ``drafters`` plan many
-        subsets for the price of one sort. Sets ``planned_least``: where the drafts count for
-        the whole batch (all draft, nobody queued: ``freed_value`` < 1), the least request's
-        expected drafts at the best widths; else None."""
+        subsets for the price of one sort."""
         k = ctx.block_size
         surv = survival or {id(r): self.survival(r, k) for r in reqs}
         if ranked is None:
@@ -307,7 +304,6 @@ class CostPolicy(Policy):
         worth, least = batch, 0.0  # least: the least of ``extra``
         # … of which the batch as a whole gained that share lately (``whole_yield``)
         whole_yield = ctx.cost.whole_yield if whole else 1.0
-        best_least = 0.0
         n_tok = len(reqs) + plain + ctx.other_tokens
         n_req = len(reqs) + plain
         widest = max(1, ctx.other_widest)  # the widest request's tokens so far
@@ -343,11 +339,10 @@ class CostPolicy(Policy):
             worth = drafts_worth(batch, tokens, freed, least * whole_yield)
             rate = value * worth / (fixed + pass_s(n_tok))
             if rate > best_rate:
-                best_rate, best_taken, best_least = rate, len(taken), least
+                best_rate, best_taken = rate, len(taken)
         best = {id(r): 1 for r in reqs}  # the widths at the best prefix of added slots
         for rid, w in taken[:best_taken]:
             best[rid] = w
-        self.planned_least = best_least if whole else None
         return best_rate, best
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
@@ -383,8 +378,7 @@ class CostPolicy(Policy):
             # most of this policy's time per step)
             # (with all drafting, at most all of it: as if the least gained the average)
             least = (tokens - len(ready)) / len(ready) if n == len(ready) else 0.0
-            if self.freed < 1.0:
-                least *= ctx.cost.whole_yield
+            least *= ctx.cost.whole_yield
             worth = drafts_worth(len(ready), tokens, self.freed, least)
             step_s = ctx.cost.drafter_s(n, pending) + least_pass
             if ctx.cost.drafting_value * worth / step_s <= best_rate:
@@ -465,14 +459,14 @@ class CostPolicy(Policy):
         surv = {id(r): self.survival(r, k) for r in spec}
         _, widths = self.plan(spec, ctx, ctx.plain_requests, surv)
         chosen = [widths[id(r)] for r in spec]
-        self.whole_least = self.planned_least if max(chosen) > 1 else None
+        drafts = [sum(surv[id(r)][: w - 1]) for r, w in zip(spec, chosen, strict=True)]
+        whole = not ctx.plain_requests and self.freed < 1.0 and max(chosen) > 1
+        self.whole_least = min(drafts) if whole else None  # what ``plan`` counted for all
         n_req = len(spec) + ctx.plain_requests
         n_tok = sum(chosen) + ctx.plain_requests + ctx.other_tokens
         widest = max([*chosen, max(1, ctx.other_widest)])
         self.predicted_s = self.draft_s + ctx.cost.target_s(n_tok, n_req, widest)
-        self.expected_tokens = ctx.plain_requests + sum(
-            1.0 + sum(surv[id(r)][: w - 1]) for r, w in zip(spec, chosen, strict=True)
-        )
+        self.expected_tokens = ctx.plain_requests + len(spec) + sum(drafts)
         self.planned = {id(r): raw[id(r)][: w - 1] for r, w in zip(spec, chosen, strict=True)}
         return torch.tensor(chosen)
 
