@@ -139,7 +139,10 @@ class Engine:
         self.detokenize = detokenize
         self.eos = set(target.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.max_context = cfg.max_context or target.cfg.max_position_embeddings
-        self.cache: KVCache = target.new_cache()
+        # a row per request the engine may run, reserved now: grown by doubling as requests
+        # arrived, each growth copied the pool into a fresh cleared one, and page faults made
+        # that ~0.1 s a growth mid-step (math C = 16, the policy study's process, Zen 4)
+        self.cache: KVCache = target.new_cache(initial_rows=cfg.max_running_requests)
         self.drafting: Drafting | None = None
         self.features: FeatureStore | None = None
         self.version = "none"
@@ -508,10 +511,17 @@ class Engine:
         c = drafter.cfg
         if self.features is None:  # a hot swap keeps the layers, hence the width
             self.features = FeatureStore(
-                c.num_features * self.target.cfg.hidden_size, self.target.dtype
+                c.num_features * self.target.cfg.hidden_size,
+                self.target.dtype,
+                rows=self.cfg.max_running_requests,
             )
         cache = KVCache(
-            c.num_layers, c.num_kv_heads, c.head_dim, self.target.dtype, self.target.device
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            self.target.dtype,
+            self.target.device,
+            initial_rows=self.cfg.max_running_requests,
         )
         self.drafting = Drafting(drafter, version, cache, self.features, self._propose())
         self.version, self.block_size = version, c.block_size

@@ -141,3 +141,38 @@ def test_the_drafter_context_holds_the_features_of_every_committed_position(
             )
         assert out.features is not None
         torch.testing.assert_close(kept[res.request_id], out.features, atol=1e-4, rtol=1e-4)
+
+
+def test_the_engine_reserves_a_row_per_request_it_may_run(tiny_llama, monkeypatch):
+    """Target KV, drafter KV and features hold ``max_running_requests`` rows from the start, so
+    a full batch never grows them (each growth of a pool copied it into fresh memory mid-step);
+    the capacity still grows where a request needs it."""
+    _, target, _ = tiny_llama
+    cfg = EngineConfig(policy="fixed", max_running_requests=3, max_batch_tokens=40)
+    engine = OracleEngine(
+        target, random_drafter(target), cfg, continuation=greedy_continuation(target)
+    )
+    assert engine.drafting is not None and engine.features is not None
+    pools = {
+        "target": engine.cache,
+        "drafter": engine.drafting.cache,
+        "features": engine.features,
+    }
+    assert {name: pool.data.shape[0] for name, pool in pools.items()} == dict.fromkeys(pools, 3)
+    grown: list[tuple[int, int]] = []
+
+    def watched(resize):
+        def grow(rows: int, capacity: int) -> None:
+            grown.append((rows, capacity))
+            resize(rows, capacity)
+
+        return grow
+
+    for pool in pools.values():
+        monkeypatch.setattr(pool, "_resize", watched(pool._resize))
+    long = [5 + i % 80 for i in range(300)]  # past the initial capacity of 256 positions
+    results = engine.generate(
+        [*PROMPTS[:2], long], SamplingParams(max_new_tokens=8, ignore_eos=True)
+    )
+    assert all(r.finish_reason == "length" for r in results)
+    assert grown and all(rows == 3 for rows, _ in grown)  # capacity only
