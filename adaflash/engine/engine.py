@@ -32,6 +32,7 @@ from adaflash.engine.policy import (
     batch_gain,
     make_policy,
     probe_outcome,
+    queue_gain,
 )
 from adaflash.engine.records import NullSink, RecordSink, RequestRecord, RoundRecord
 from adaflash.engine.request import (
@@ -91,6 +92,10 @@ class EngineStats:
     whole_steps: int = 0
     whole_planned: float = 0.0
     whole_gained: float = 0.0
+    # … and those with requests queued: steps the known work's end gained (``queue_gain``)
+    queue_steps: int = 0
+    queue_planned: float = 0.0
+    queue_gained: float = 0.0
     # the cost policy's probes (shadow drafts checked against the tokens committed after them)
     probes: int = 0
     probe_slots: int = 0  # draft slots they compared …
@@ -352,6 +357,10 @@ class Engine:
                 self.stats.whole_steps += 1
                 self.stats.whole_planned += least
                 self.stats.whole_gained += gained
+            elif self.waiting:  # others queued: what the known work's end gained
+                self._measure_queue_step(res, (expected or 0.0) - len(res.verified))
+        elif self.waiting:
+            self.cost.queue_idle_step()
         if res.drafted:
             self.stats.predicted_drafting_s += predicted
             self.stats.measured_drafting_s += measured
@@ -361,6 +370,22 @@ class Engine:
         else:
             self.stats.predicted_plain_s += predicted
             self.stats.measured_plain_s += measured
+
+    def _measure_queue_step(self, res: RoundResult, planned: float) -> None:
+        """A drafting step with requests queued (before its tokens are committed): the steps
+        it brought the end of the known work closer (``queue_gain``) against the drafts
+        planned."""
+        progress = {id(v.plan.req): 1 + v.accepted for v in res.verified}
+        gained = queue_gain(
+            [r.tokens_left for r in self.running],
+            [progress.get(id(r), 0) for r in self.running],
+            [r.tokens_left for r in self.waiting],
+            self.cfg.max_running_requests,
+        )
+        self.cost.observe_queue_step(max(planned, 0.0), gained)
+        self.stats.queue_steps += 1
+        self.stats.queue_planned += max(planned, 0.0)
+        self.stats.queue_gained += gained
 
     def _commit_round(self, v: Verified, res: RoundResult) -> None:
         """Stream what a verified request committed (stop rules applied) and record the round."""

@@ -59,6 +59,7 @@ and times it.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -299,7 +300,7 @@ class CostPolicy(Policy):
         # what the drafts are worth (``freed_value``): where a request that finishes sooner
         # frees nothing, a step's extra tokens count in full only as far as every request gains
         # them (the batch runs as long as its slowest); ``extra``: each request's expected drafts
-        freed, whole = self.freed, not plain and self.freed < 1.0
+        freed, whole = self.freed, not plain and self.freed < 1.0 and alone(ctx)
         extra = dict.fromkeys(widths, 0.0) if whole else {}
         worth, least = batch, 0.0  # least: the least of ``extra``
         # … of which the batch as a whole gained that share lately (``whole_yield``)
@@ -377,7 +378,8 @@ class CostPolicy(Policy):
             # they could take do not (a drafter that does not pay: no plan at all, which was
             # most of this policy's time per step)
             # (with all drafting, at most all of it: as if the least gained the average)
-            least = (tokens - len(ready)) / len(ready) if n == len(ready) else 0.0
+            every = n == len(ready) and alone(ctx)
+            least = (tokens - len(ready)) / len(ready) if every else 0.0
             least *= ctx.cost.whole_yield
             worth = drafts_worth(len(ready), tokens, self.freed, least)
             step_s = ctx.cost.drafter_s(n, pending) + least_pass
@@ -460,7 +462,7 @@ class CostPolicy(Policy):
         _, widths = self.plan(spec, ctx, ctx.plain_requests, surv)
         chosen = [widths[id(r)] for r in spec]
         drafts = [sum(surv[id(r)][: w - 1]) for r, w in zip(spec, chosen, strict=True)]
-        whole = not ctx.plain_requests and self.freed < 1.0 and max(chosen) > 1
+        whole = not ctx.plain_requests and alone(ctx) and self.freed < 1.0 and max(chosen) > 1
         self.whole_least = min(drafts) if whole else None  # what ``plan`` counted for all
         n_req = len(spec) + ctx.plain_requests
         n_tok = sum(chosen) + ctx.plain_requests + ctx.other_tokens
@@ -471,15 +473,26 @@ class CostPolicy(Policy):
         return torch.tensor(chosen)
 
 
+def alone(ctx: PolicyContext) -> bool:
+    """Whether this step's requests are the whole known work: nobody queued, and no prompt
+    chunk in the pass (a request still reading its prompt has all its tokens ahead of it, so
+    the batch ends with it, however the others draft)."""
+    return not ctx.waiting and not ctx.other_tokens
+
+
 def freed_value(requests: int, ctx: PolicyContext, plain_s: float) -> float:
     """What a drafted token is worth against a token of the batch's plain step. A token that
-    lets a request finish a step sooner frees its slot: worth a full token where a queued
-    request takes that slot (``ctx.waiting``) or where it is the only request; else only what
-    the plain step saves with one request fewer, per request's share of it — nothing where
-    both pad up to the same compiled batch size. (Without it, drafting for some of 16 requests
-    that all run to the same length committed their tokens sooner and saved no step: shipped
-    drafter, code at C = 16 on a Zen 2 EPYC, 0.90× ``ar`` with 264 steps against its 264.)"""
-    if ctx.waiting or requests <= 1:
+    lets a request finish a step sooner frees its slot: where a queued request takes that slot
+    (``ctx.waiting``), what such tokens gained the end of the known work lately
+    (``CostModel.queue_yield``, ``queue_gain``); a full token where it is the only request;
+    else only what the plain step saves with one request fewer, per request's share of it —
+    nothing where both pad up to the same compiled batch size. (Without it, drafting for some
+    of 16 requests that all run to the same length committed their tokens sooner and saved no
+    step: shipped drafter, code at C = 16 on a Zen 2 EPYC, 0.90× ``ar`` with 264 steps against
+    its 264.)"""
+    if ctx.waiting:  # … as far as such tokens brought the queued work's end closer lately
+        return ctx.cost.queue_yield
+    if requests <= 1:
         return 1.0
     fewer = ctx.cost.target_s(requests - 1 + ctx.other_tokens, requests - 1)
     return min(max(requests * (plain_s - fewer) / plain_s, 0.0), 1.0)
@@ -504,6 +517,27 @@ def batch_gain(left: Sequence[int], progress: Sequence[int]) -> int:
     worst gained."""
     after = max(max(n - p, 0) for n, p in zip(left, progress, strict=True))
     return max(max(left) - after - 1, 0)
+
+
+def work_end(left: Sequence[int], queued: Sequence[int], slots: int) -> int:
+    """Steps until the work the engine knows ends at one token a step: running requests with
+    ``left`` tokens each, then ``queued`` ones in order, each into the slot that frees first
+    (``slots`` in all)."""
+    loads = sorted([*left, *[0] * max(slots - len(left), 0)])
+    for n in queued:
+        heapq.heapreplace(loads, loads[0] + n)
+    return max(loads, default=0)
+
+
+def queue_gain(
+    left: Sequence[int], progress: Sequence[int], queued: Sequence[int], slots: int
+) -> int:
+    """The steps by which a drafting step brought the end of the known work (``work_end``)
+    closer than a plain step would have: ``left`` each running request's tokens left before
+    the step, ``progress`` the tokens each committed (0: not in this step's pass)."""
+    plain = [n - min(p, 1) for n, p in zip(left, progress, strict=True)]
+    done = [max(n - p, 0) for n, p in zip(left, progress, strict=True)]
+    return max(work_end(plain, queued, slots) - work_end(done, queued, slots), 0)
 
 
 def probe_outcome(r: Request) -> tuple[int, int] | None:

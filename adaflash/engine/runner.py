@@ -162,6 +162,9 @@ class EngineRunner:
             "whole_steps": st.whole_steps,
             "whole_drafts_planned": st.whole_planned,
             "whole_drafts_gained": st.whole_gained,
+            "queue_steps": st.queue_steps,
+            "queue_drafts_planned": st.queue_planned,
+            "queue_steps_gained": st.queue_gained,
         }
 
     def compiled_decode(self) -> tuple[str, int]:

@@ -15,6 +15,8 @@ from adaflash.engine.policy import (
     batch_gain,
     freed_value,
     probe_outcome,
+    queue_gain,
+    work_end,
 )
 from adaflash.engine.request import Request
 
@@ -559,6 +561,10 @@ def test_all_request_drafting_with_nobody_queued_is_worth_what_it_gained_the_bat
     queued = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0, waiting=1)
     policy.widths(policy.drafters(reqs, queued), None, queued)
     assert policy.whole_least is None  # the drafts count in full: not a whole-batch plan
+    # a prompt chunk in the pass: its request ends the batch, so no plan is a whole-batch one
+    chunk = PolicyContext(16, 1.0, cost, budget=512, other_tokens=40, other_widest=40)
+    policy.widths(policy.drafters(reqs, chunk) or reqs, None, chunk)
+    assert policy.whole_least is None
     for _ in range(60):
         cost.observe_whole_step(least, 0.2 * least)
     assert 0.2 < cost.whole_yield < 0.25 and cost.snapshot()["whole_yield"] < 0.25
@@ -566,6 +572,53 @@ def test_all_request_drafting_with_nobody_queued_is_worth_what_it_gained_the_bat
     assert len(policy.drafters(reqs, queued)) == 8
     cost.new_drafter()
     assert cost.whole_yield == 1.0 and len(policy.drafters(reqs, alone)) == 8
+
+
+def test_the_known_work_ends_with_the_slot_that_ends_last():
+    """``work_end``: queued requests go, in order, into the slot that frees first;
+    ``queue_gain``: a drafting step gains only as far as it moves that end (against a plain
+    step, which moves it one), and over a run it telescopes to the steps the run saved."""
+    assert work_end([3, 5], [4], 2) == 7 and work_end([3], [4, 1], 2) == 4
+    assert work_end([], [2, 2, 2], 2) == 4 and work_end([], [], 4) == 0
+    assert queue_gain([10, 10], [3, 1], [], 2) == 0  # nobody queued: the slower slot ends last
+    assert queue_gain([10, 20], [3, 1], [10], 2) == 0  # the queued one cannot outlast the 20
+    assert queue_gain([10, 10], [3, 1], [10], 2) == 2  # … here it starts 2 steps sooner
+    assert queue_gain([10, 2], [1, 0], [20], 2) == 0  # a slot not in the pass gains nothing
+    assert queue_gain([4], [3], [6], 1) == 2  # one slot: every draft moves the end
+    # a closed batch of 8 requests of 12 tokens at 3 slots, random drafts: Σ gain + steps = end
+    g = torch.Generator().manual_seed(0)
+    left, queued, steps, gained = [12, 12, 12], [12] * 5, 0, 0
+    start = work_end(left, queued, 3)
+    while left:
+        progress = [1 + int(torch.randint(0, 3, (1,), generator=g)) for _ in left]
+        gained += queue_gain(left, progress, queued, 3)
+        left = [max(n - p, 0) for n, p in zip(left, progress, strict=True)]
+        steps += 1
+        while queued and 0 in left:  # a finished request's slot takes the next queued one
+            left[left.index(0)] = queued.pop(0)
+        left = [n for n in left if n] if not queued else left
+    assert steps + gained == start
+
+
+def test_drafts_with_a_queue_are_worth_what_they_gained_the_known_work():
+    """With a request queued a drafted token counted in full; once drafting steps with a queue
+    have moved the known work's end by little of what they planned (``queue_yield``), the eight
+    keep to plain steps; plain steps with a queue let the yield back up (it is tried again); a
+    new drafter starts over."""
+    cost, policy, reqs = drafting_eight(0.030)
+    queued = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0, waiting=1)
+    assert len(policy.drafters(reqs, queued)) == 8 and cost.queue_yield == 1.0
+    for _ in range(60):
+        cost.observe_queue_step(10.0, 0.5)
+    assert cost.queue_yield < 0.06 and cost.snapshot()["queue_yield"] < 0.06
+    assert policy.drafters(reqs, queued) == []
+    for _ in range(400):
+        cost.queue_idle_step()
+    assert cost.queue_yield > 0.9 and len(policy.drafters(reqs, queued)) == 8
+    for _ in range(60):
+        cost.observe_queue_step(10.0, 0.5)
+    cost.new_drafter()
+    assert cost.queue_yield == 1.0
 
 
 def drafting_eight(verify_s: float) -> tuple[CostModel, CostPolicy, list[Request]]:
