@@ -484,16 +484,17 @@ def freed_value(requests: int, ctx: PolicyContext, plain_s: float) -> float:
     """What a drafted token is worth against a token of the batch's plain step. A token that
     lets a request finish a step sooner frees its slot: where a queued request takes that slot
     (``ctx.waiting``), what such tokens gained the end of the known work lately
-    (``CostModel.queue_yield``, ``queue_gain``); a full token where it is the only request;
+    (``CostModel.queue_yield``, ``queue_gain``); a full token where it is the only request
+    (first);
     else only what the plain step saves with one request fewer, per request's share of it —
     nothing where both pad up to the same compiled batch size. (Without it, drafting for some
     of 16 requests that all run to the same length committed their tokens sooner and saved no
     step: shipped drafter, code at C = 16 on a Zen 2 EPYC, 0.90× ``ar`` with 264 steps against
     its 264.)"""
+    if requests <= 1:  # (one slot: every drafted token is a step sooner for all that wait;
+        return 1.0  # ``drafting_yield`` already scales what its drafts realise)
     if ctx.waiting:  # … as far as such tokens brought the queued work's end closer lately
         return ctx.cost.queue_yield
-    if requests <= 1:
-        return 1.0
     fewer = ctx.cost.target_s(requests - 1 + ctx.other_tokens, requests - 1)
     return min(max(requests * (plain_s - fewer) / plain_s, 0.0), 1.0)
 
