@@ -358,7 +358,7 @@ class Engine:
                 self.stats.whole_planned += least
                 self.stats.whole_gained += gained
             elif self.waiting:  # others queued: what the known work's end gained
-                self._measure_queue_step(res, (expected or 0.0) - len(res.verified))
+                self._measure_queue_step(res, max((expected or 0.0) - len(res.verified), 0.0))
         elif self.waiting:
             self.cost.queue_idle_step()
         if res.drafted:
@@ -382,9 +382,9 @@ class Engine:
             [r.tokens_left for r in self.waiting],
             self.cfg.max_running_requests,
         )
-        self.cost.observe_queue_step(max(planned, 0.0), gained)
+        self.cost.observe_queue_step(planned, gained)
         self.stats.queue_steps += 1
-        self.stats.queue_planned += max(planned, 0.0)
+        self.stats.queue_planned += planned
         self.stats.queue_gained += gained
 
     def _commit_round(self, v: Verified, res: RoundResult) -> None:

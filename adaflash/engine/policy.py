@@ -484,13 +484,12 @@ def freed_value(requests: int, ctx: PolicyContext, plain_s: float) -> float:
     """What a drafted token is worth against a token of the batch's plain step. A token that
     lets a request finish a step sooner frees its slot: where a queued request takes that slot
     (``ctx.waiting``), what such tokens gained the end of the known work lately
-    (``CostModel.queue_yield``, ``queue_gain``); a full token where it is the only request
-    (first);
-    else only what the plain step saves with one request fewer, per request's share of it —
-    nothing where both pad up to the same compiled batch size. (Without it, drafting for some
-    of 16 requests that all run to the same length committed their tokens sooner and saved no
-    step: shipped drafter, code at C = 16 on a Zen 2 EPYC, 0.90× ``ar`` with 264 steps against
-    its 264.)"""
+    (``CostModel.queue_yield``, ``queue_gain``) — but a full token where it is the only
+    request, queue or not; else only what the plain step saves with one request fewer, per
+    request's share of it — nothing where both pad up to the same compiled batch size.
+    (Without it, drafting for some of 16 requests that all run to the same length committed
+    their tokens sooner and saved no step: shipped drafter, code at C = 16 on a Zen 2 EPYC,
+    0.90× ``ar`` with 264 steps against its 264.)"""
     if requests <= 1:  # (one slot: every drafted token is a step sooner for all that wait;
         return 1.0  # ``drafting_yield`` already scales what its drafts realise)
     if ctx.waiting:  # … as far as such tokens brought the queued work's end closer lately
@@ -515,9 +514,8 @@ def batch_gain(left: Sequence[int], progress: Sequence[int]) -> int:
     left before the step (``Request.tokens_left``); ``progress``: the tokens each committed.
     Summed over steps it telescopes to exactly how much sooner the batch ends, whichever request
     is last; requests tied at the start gain the batch, each step, only what the one that did
-    worst gained."""
-    after = max(max(n - p, 0) for n, p in zip(left, progress, strict=True))
-    return max(max(left) - after - 1, 0)
+    worst gained. (``queue_gain`` with nobody queued, every request in the step.)"""
+    return queue_gain(left, progress, (), len(left))
 
 
 def work_end(left: Sequence[int], queued: Sequence[int], slots: int) -> int:
