@@ -361,7 +361,7 @@ class CostPolicy(Policy):
         seconds: dict[tuple[int, tuple[int, int] | None], float] = {}
         plain_s = ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
         plain_rate = len(ready) / plain_s
-        self.freed = freed_value(len(ready), ctx, plain_s)
+        self.freed = freed_value(len(ready), ctx)
         self.predicted_s = plain_s  # unless somebody drafts (``widths``)
         # what bounds every plan below: a drafting step's target pass costs at least the plain
         # one (or the narrowest wider pass, where a fitted line tilts below it)
@@ -480,7 +480,7 @@ def alone(ctx: PolicyContext) -> bool:
     return not ctx.waiting and not ctx.other_tokens
 
 
-def freed_value(requests: int, ctx: PolicyContext, plain_s: float) -> float:
+def freed_value(requests: int, ctx: PolicyContext) -> float:
     """What a drafted token is worth against a token of the batch's plain step. A token that
     lets a request finish a step sooner frees its slot: where a queued request takes that slot
     (``ctx.waiting``), what such tokens gained the end of the known work lately
@@ -489,13 +489,20 @@ def freed_value(requests: int, ctx: PolicyContext, plain_s: float) -> float:
     request's share of it — nothing where both pad up to the same compiled batch size.
     (Without it, drafting for some of 16 requests that all run to the same length committed
     their tokens sooner and saved no step: shipped drafter, code at C = 16 on a Zen 2 EPYC,
-    0.90× ``ar`` with 264 steps against its 264.)"""
+    0.90× ``ar`` with 264 steps against its 264.) That saving comes at the end of the batch,
+    in its last plain steps, so it is priced on a plain step of these requests alone, not on
+    this step's pass: a prompt chunk beside them makes this pass eager, where one request
+    fewer always saves something, while the steps it would shorten run compiled. (Priced on
+    this pass, requests that had read their prompts could draft beside the others' chunks;
+    in the bd6f3bf study the oracle drafter's ``cost`` at C = 16, nobody queued, took as many
+    steps as ``ar``, 396, and ran 0.95×.)"""
     if requests <= 1:  # (one slot: every drafted token is a step sooner for all that wait;
         return 1.0  # ``drafting_yield`` already scales what its drafts realise)
     if ctx.waiting:  # … as far as such tokens brought the queued work's end closer lately
         return ctx.cost.queue_yield
-    fewer = ctx.cost.target_s(requests - 1 + ctx.other_tokens, requests - 1)
-    return min(max(requests * (plain_s - fewer) / plain_s, 0.0), 1.0)
+    tail = ctx.cost.target_s(requests, requests)  # a plain step at the batch's end
+    fewer = ctx.cost.target_s(requests - 1, requests - 1)
+    return min(max(requests * (tail - fewer) / tail, 0.0), 1.0)
 
 
 def drafts_worth(batch: float, tokens: float, freed: float, least: float) -> float:

@@ -1,5 +1,7 @@
 """The online cost model learns a machine's costs; the cost policy decides with them."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -144,7 +146,7 @@ def test_the_drafters_bound_skips_only_plans_that_cannot_win(monkeypatch):
         # every other trial with a request queued: drafted tokens then count in full
         ctx = PolicyContext(k, 1.0, cost, budget=16 * n_req, other_tokens=0, waiting=trial % 2)
         # the reference: plan every prefix of the same order, keep the best (plain if none wins)
-        policy.freed = freed_value(n_req, ctx, cost.target_s(n_req, n_req))
+        policy.freed = freed_value(n_req, ctx)
         surv = {id(r): policy.survival(r, k) for r in reqs}
         order = sorted(reqs, key=lambda r: -sum(surv[id(r)]))
         best_n, best = 0, n_req / cost.target_s(n_req, n_req)
@@ -497,16 +499,31 @@ def test_a_drafted_token_is_worth_what_finishing_sooner_frees():
     where 7 requests pad up to the same compiled batch-8 step as 8, part of it on a line."""
     padded, _, _ = drafting_eight(0.024)
     ctx = PolicyContext(16, 1.0, padded, budget=512, other_tokens=0)
-    assert freed_value(8, ctx, padded.target_s(8, 8)) == 0.0
+    assert freed_value(8, ctx) == 0.0
     queued = PolicyContext(16, 1.0, padded, budget=512, other_tokens=0, waiting=2)
-    assert freed_value(8, queued, padded.target_s(8, 8)) == 1.0
-    assert freed_value(1, ctx, padded.target_s(1, 1)) == 1.0
+    assert freed_value(8, queued) == 1.0
+    assert freed_value(1, ctx) == 1.0
     line = CostModel()  # eager plain steps: 10 ms + 2 ms a request
     for n in (3, 4):
         for _ in range(20):
             line.observe_target(n, n, 0.010 + 0.002 * n)
     ctx = PolicyContext(16, 1.0, line, budget=512, other_tokens=0)
-    assert freed_value(4, ctx, line.target_s(4, 4)) == pytest.approx(4 * 0.002 / 0.018)
+    assert freed_value(4, ctx) == pytest.approx(4 * 0.002 / 0.018)
+
+
+def test_beside_a_prompt_chunk_a_drafted_token_is_priced_on_the_batch_end_step():
+    """Eight requests on a compiled batch-8 step while a ninth reads its prompt: the pass with
+    the chunk runs eager, where one request fewer saves a share of it, but the steps a request
+    that finishes sooner would shorten are the batch's last plain ones, where 7 requests pad up
+    to the same batch-8 step as 8: the drafts are worth nothing beside the chunk either, and
+    the good requests do not draft."""
+    cost, policy, reqs = drafting_eight(0.024)
+    for n in range(60, 100, 4):  # eager passes with a chunk: 0.2 ms a token, 4 ms a request
+        for m in range(2, 10):
+            cost.observe_target(n, m, 0.005 + 0.0002 * n + 0.004 * m, prefill=True, widest=64)
+    chunk = PolicyContext(16, 1.0, cost, budget=512, other_tokens=64, other_widest=64)
+    assert freed_value(8, chunk) == 0.0 == freed_value(8, replace(chunk, other_tokens=0))
+    assert policy.drafters(reqs, chunk) == []
 
 
 def test_without_a_queue_drafting_for_some_requests_of_a_padded_batch_does_not_pay():
