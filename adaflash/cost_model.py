@@ -116,6 +116,36 @@ QUEUE_RELAX = 0.98  # per plain step with a queue: its evidence fades towards th
 
 
 @dataclass
+class DecayedYield:
+    """Gained ÷ planned over recent steps: both sums decay by ``decay`` per observed step and
+    start from ``WHOLE_PRIOR`` of "as planned" (a yield of 1); ``value`` is capped at ``cap``."""
+
+    decay: float
+    cap: float
+    relax_rate: float = 1.0  # per ``relax``: the share of the evidence kept (1: none fades)
+    gained: float = WHOLE_PRIOR
+    planned: float = WHOLE_PRIOR
+
+    def observe(self, planned: float, gained: float) -> None:
+        self.gained = self.decay * self.gained + gained
+        self.planned = self.decay * self.planned + planned
+
+    def relax(self) -> None:
+        """A step without evidence: move ``1 − relax_rate`` of the way back to the prior (at
+        a yield of 0 the policy would never plan a step that measures it again)."""
+        back = (1.0 - self.relax_rate) * WHOLE_PRIOR
+        self.gained = self.relax_rate * self.gained + back
+        self.planned = self.relax_rate * self.planned + back
+
+    @property
+    def value(self) -> float:
+        return min(self.gained / self.planned, self.cap)
+
+    def reset(self) -> None:
+        self.gained = self.planned = WHOLE_PRIOR
+
+
+@dataclass
 class CostModel:
     """Seconds per target pass and per drafter pass, learned from the engine's own steps."""
 
@@ -141,13 +171,14 @@ class CostModel:
     drafting_bias: float = 1.0  # drafting steps' measured ÷ predicted seconds, decayed
     drafting_yield: float = 1.0  # drafting steps' committed ÷ expected tokens, decayed
     # all-request drafting steps with nobody queued: drafts the batch as a whole gained and
-    # the least request's expected drafts they were planned at, decayed (``whole_yield``)
-    whole_gained: float = WHOLE_PRIOR
-    whole_planned: float = WHOLE_PRIOR
+    # the least request's expected drafts they were planned at (``whole_yield``)
+    whole: DecayedYield = field(default_factory=lambda: DecayedYield(WHOLE_DECAY, WHOLE_MAX))
     # drafting steps with requests queued: steps the known work's end moved closer beyond a
-    # plain step's, and the drafts they were planned at, decayed (``queue_yield``)
-    queue_gained: float = WHOLE_PRIOR
-    queue_planned: float = WHOLE_PRIOR
+    # plain step's, and the drafts they were planned at (``queue_yield``); a plain step with
+    # requests queued relaxes it towards the prior
+    queue: DecayedYield = field(
+        default_factory=lambda: DecayedYield(QUEUE_DECAY, 1.0, relax_rate=QUEUE_RELAX)
+    )
 
     def observe_target(
         self,
@@ -208,23 +239,19 @@ class CostModel:
         """A step in which every request drafted and nobody was queued: the least request's
         expected drafts it was planned at, and the drafts the batch as a whole gained
         (``policy.batch_gain``: how much sooner its last request will finish)."""
-        self.whole_gained = WHOLE_DECAY * self.whole_gained + gained
-        self.whole_planned = WHOLE_DECAY * self.whole_planned + planned
+        self.whole.observe(planned, gained)
 
     def observe_queue_step(self, planned: float, gained: float) -> None:
         """A step in which some request verified drafts while others were queued: the drafts
         it was planned at (expected, unscaled) and the steps by which the end of the work the
         engine knows — running and queued requests, each to its token limit — came closer than
         a plain step would have brought it (``policy.queue_gain``)."""
-        self.queue_gained = QUEUE_DECAY * self.queue_gained + gained
-        self.queue_planned = QUEUE_DECAY * self.queue_planned + planned
+        self.queue.observe(planned, gained)
 
     def queue_idle_step(self) -> None:
         """A step with requests queued that verified no drafts: ``queue_yield``'s evidence
         moves ``1 − QUEUE_RELAX`` of the way back to the prior."""
-        back = (1.0 - QUEUE_RELAX) * WHOLE_PRIOR
-        self.queue_gained = QUEUE_RELAX * self.queue_gained + back
-        self.queue_planned = QUEUE_RELAX * self.queue_planned + back
+        self.queue.relax()
 
     @property
     def queue_yield(self) -> float:
@@ -233,7 +260,7 @@ class CostModel:
         last, so drafts spread over the slots gain what the slowest one gains (a closed batch
         of 8 requests at C = 4, shipped drafter on code: drafting in ~10 steps a run, its tokens
         as expected, saved 0–2 of ~770 steps). At most 1."""
-        return min(self.queue_gained / self.queue_planned, 1.0)
+        return self.queue.value
 
     @property
     def whole_yield(self) -> float:
@@ -241,14 +268,14 @@ class CostModel:
         runs as long as its last request, so all requests drafting gain it what the one that
         ends up last gains over the run, not what the least expects each step (sixteen
         requests tied at the start: each step, the one whose drafts did worst)."""
-        return min(self.whole_gained / self.whole_planned, WHOLE_MAX)
+        return self.whole.value
 
     def new_drafter(self) -> None:
         """A new drafter version: what its plans commit is not known yet (its time side, and
         every pass's price, still hold)."""
         self.drafting_yield = 1.0
-        self.whole_gained = self.whole_planned = WHOLE_PRIOR
-        self.queue_gained = self.queue_planned = WHOLE_PRIOR
+        self.whole.reset()
+        self.queue.reset()
 
     @property
     def drafting_value(self) -> float:
