@@ -208,7 +208,8 @@ def test_shutdown_ends_open_streams_with_abort():
 
     deltas = asyncio.run(asyncio.wait_for(run(), 10))
     assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
-    wait_for(lambda: fake.closed)
+    # the client is closed before the loop's thread is joined: wait for both
+    wait_for(lambda: fake.closed and not b.alive)
     assert fake.closed and not b.alive
 
 
