@@ -44,17 +44,24 @@ not probed again by every request that arrives. When nobody drafts, the drafter-
 steps, not a request's rounds (short replies would never reach it): after that many steps
 without a drafter pass — and at the first step of a new drafter — a pass of probes runs, on up
 to ``PROBE_REQUESTS`` ready requests with the least context to catch up (their drafter passes
-are the cheapest); a pass whose probes all find nothing doubles the gap once. Nothing is
-verified on faith: the engine-wide profile starts at a = 0, so a new drafter drafts once probes
-have shown what it is worth. Probes wait for a budget: every step adds ``PROBE_SHARE`` of a
-plain step's predicted time (up to ``PROBE_START_S``), and each probe joins a drafter pass only
-while the budget is positive, spending what it adds to that pass (``ride_along``; into debt, if
-it costs more). So probes of a drafter that does not pay cost about that share of serving time,
-plus the start's ``PROBE_START_S`` (again after a new drafter version) and at most one pass of
-debt. The other way round, a drafter that always pays would leave the plain step it is compared
-against unmeasured: where the cost model says that price is stale (``CostModel.plain_stale``), a
-step in which somebody would draft, with no prompt chunk in its pass, is a plain step instead,
-and times it.
+are the cheapest); a pass whose probes find no more than the engine-wide profile expected
+doubles the gap once, and a probe that finds a draft more, at least, halves it (not back to
+``probe_every`` at once, and not for any accepted draft: a drafter known to land a token now and
+then would be probed as often as a new one). Nothing is verified on faith: the engine-wide
+profile starts at a = 0, so a new drafter drafts once probes have shown what it is worth. Probes
+wait for a budget: every step adds ``PROBE_SHARE`` of a plain step's predicted time, times
+``probe_every`` over the drafter-wide gap (the share backs off with the gap: 1/16 of it at 256
+steps), up to ``PROBE_START_S``; each probe joins a drafter pass only while the budget is
+positive, spending what it adds to that pass (``ride_along``; into debt, if it costs more); and
+a probe's answer pays back the share of what it spent that its drafts found beyond that
+expectation (÷ the slots compared: a drafter that turned good keeps being probed until its
+profile says draft; one that finds what it was known to find pays in full). So probes of a
+drafter that does not pay cost at most ``PROBE_SHARE`` of serving time, falling towards a
+sixteenth of it, plus the start's ``PROBE_START_S`` (again after a new drafter version) and at
+most one pass of debt. The other way round, a drafter that always pays would leave the plain
+step it is compared against unmeasured: where the cost model says that price is stale
+(``CostModel.plain_stale``), a step in which somebody would draft, with no prompt chunk in its
+pass, is a plain step instead, and times it.
 """
 
 from __future__ import annotations
@@ -152,12 +159,14 @@ PRIOR_WEIGHT = 1.0  # rounds' worth of the engine-wide profile mixed into each r
 START = (0.0, 1.0)  # engine-wide (accepted, verified) per slot before any round: a = 0, weak
 CAL_DECAY = 0.99  # per verified slot: the calibration follows its last ~100 verifications
 CAL_WEIGHT = 2.0  # planned tokens' worth of "as planned" it starts from
-# probes spend at most this share of the serving time … (with a drafter that never pays, the
-# share is what cost speculation loses to plain decoding: 1% was ~1% of every cell at C = 1)
+# probes spend at most this share of the serving time, at the drafter-wide gap ``probe_every``
+# (less as it grows) … (with a drafter that never pays, the share is what cost speculation
+# loses to plain decoding: 1% was ~1% of every cell at C = 1)
 PROBE_SHARE = 0.005
-# … after a start of this many seconds (also the budget's cap): a few probe passes, enough to
-# find a drafter that pays at once (0.25 s was up to 5.6% of a cold 20-second study cell)
-PROBE_START_S = 0.06
+# … after a start of this many seconds (also the budget's cap): a probe pass of a request or
+# two; what its drafts find is paid back, so a drafter that pays is probed on (0.25 s was up
+# to 5.6% of a cold 20-second study cell; 0.06 s, three lone passes at C = 8, ~0.6%)
+PROBE_START_S = 0.02
 PROBE_REQUESTS = 4  # a pass of probes alone takes up to this many requests, cheapest first
 _states = itertools.count(1)  # numbers the cost policies' profile states, process-wide
 
@@ -203,8 +212,8 @@ class CostPolicy(Policy):
         self.probe_gap = self.probe_every  # the drafter's: where a new request's gap starts
         self.idle_steps = self.probe_gap  # steps since the drafter last ran: probe at once
         self.probe_passes = self.backed_off = 0  # passes with probes; the last that backed off
-        # id(request) → the pass its probe went in, and its gap then
-        self.launched: dict[int, tuple[int, int]] = {}
+        # id(request) → the pass its probe went in, its gap then, and what it spent
+        self.launched: dict[int, tuple[int, int, float]] = {}
         self.probe_budget_s = PROBE_START_S  # what probes may still spend (docstring)
         # calibration per slot: decayed Σ planned survival and Σ accepted over verified slots
         self.cal_planned = [CAL_WEIGHT] * (self.block_size - 1)
@@ -212,15 +221,29 @@ class CostPolicy(Policy):
         self.planned: dict[int, list[float]] = {}  # this step's raw survival per request
 
     def observe_probe(self, r: Request, compared: int, accepted: int, block_size: int) -> None:
-        # back off while probes find nothing, for this request and for the drafter (once per
-        # probe pass: a pass of four that found nothing doubles the gap once)
-        launched, gap = self.launched.pop(id(r), (0, self.gap(r)))
-        r.probe_gap = self.probe_every if accepted else min(2 * gap, MAX_PROBE_GAP)
-        if accepted:
-            self.probe_gap = self.probe_every
+        # what it found beyond what the engine-wide profile expected (a draft more, at least)
+        # pays back that share of it and halves the drafter-wide gap: a drafter that turned
+        # good is probed on until its profile says draft; probes that find no more back off
+        # (once per probe pass: a pass of four that found nothing doubles the gap once), and
+        # so does the request's own gap while its probes find nothing
+        launched, gap, spent = self.launched.pop(id(r), (0, self.gap(r), 0.0))
+        surprise = accepted - self.expected_accepted(compared)
+        if surprise >= 1.0:  # a draft more, at least
+            refund = spent * min(surprise / compared, 1.0)
+            self.probe_budget_s = min(self.probe_budget_s + refund, PROBE_START_S)
+            self.probe_gap = max(self.probe_gap // 2, self.probe_every)
         elif launched > self.backed_off:
             self.probe_gap, self.backed_off = min(2 * self.probe_gap, MAX_PROBE_GAP), launched
+        r.probe_gap = self.probe_every if accepted else min(2 * gap, MAX_PROBE_GAP)
         super().observe_probe(r, compared, accepted, block_size)
+
+    def expected_accepted(self, compared: int) -> float:
+        """Drafts a probe comparing ``compared`` slots finds by the engine-wide profile."""
+        out, s = 0.0, 1.0
+        for ok, seen in zip(self.ok[:compared], self.seen[:compared], strict=True):
+            s *= ok / max(seen, 1e-9)
+            out += s
+        return out
 
     def gap(self, r: Request) -> int:
         """Rounds between ``r``'s probes: its own, or the drafter's until it has one."""
@@ -402,24 +425,26 @@ class CostPolicy(Policy):
         # regardless, the requests that have not drafted for their gap join its pass,
         # cheapest first, while the budget lasts; when it would not run, a pass of up to
         # PROBE_REQUESTS of them once the drafter has been idle for the drafter-wide gap
-        self.probe_budget_s = min(self.probe_budget_s + PROBE_SHARE * plain_s, PROBE_START_S)
+        share = PROBE_SHARE * self.probe_every / self.probe_gap  # backs off with the gap
+        self.probe_budget_s = min(self.probe_budget_s + share * plain_s, PROBE_START_S)
         idle = [r for r in order[best_n:] if r.shadow is None]  # none awaiting its answer
         if chosen:
             due = [r for r in idle if r.rounds - r.last_drafted >= self.gap(r)]
             due.sort(key=ctx.pending)
-            probes = self.ride_along(chosen, due, ctx)
+            riders = self.ride_along(chosen, due, ctx)
         else:
             self.idle_steps += 1
             lone = self.idle_steps >= self.probe_gap
             cheapest = sorted(idle, key=ctx.pending)[:PROBE_REQUESTS] if lone else []
-            probes = self.ride_along([], cheapest, ctx)
+            riders = self.ride_along([], cheapest, ctx)
+        probes = [r for r, _ in riders]
         if chosen or probes:
             self.idle_steps = 0
         if probes:
             self.probe_passes += 1
-        for r in probes:  # its gap counts from now
+        for r, spent in riders:  # its gap counts from now
             r.last_drafted = r.rounds
-            self.launched[id(r)] = (self.probe_passes, self.gap(r))
+            self.launched[id(r)] = (self.probe_passes, self.gap(r), spent)
         self.probes = probes
         # the drafter's pass, priced now: once it ran, nothing is pending
         passed = chosen + probes
@@ -431,26 +456,27 @@ class CostPolicy(Policy):
 
     def ride_along(
         self, chosen: list[Request], due: list[Request], ctx: PolicyContext
-    ) -> list[Request]:
-        """The probes of ``due`` that join the drafter pass of a step in which ``chosen``
-        draft (none: a pass of probes alone), in order, each while the budget is positive and
-        spending what it adds to that pass: one more request, and its context to catch up —
-        even beyond what is left (one pass may cost more than the cap): the debt holds the next
-        probes back until plain steps have paid it off. (Joining for free, all 15 other
-        requests of a step of 16 were probed together every 16 rounds.)"""
+    ) -> list[tuple[Request, float]]:
+        """The probes of ``due`` (with what each spent) that join the drafter pass of a step in
+        which ``chosen`` draft (none: a pass of probes alone), in order, each while the budget is
+        positive and spending what it adds to that pass: one more request, and its context to catch
+        up — even beyond what is left (one pass may cost more than the cap): the debt holds the next
+        probes back until plain steps have paid it off. (Joining for free, all 15 other requests of
+        a step of 16 were probed together every 16 rounds.)"""
         if not due or self.probe_budget_s <= 0:
             return []
         pending = sum(ctx.pending(r) for r in chosen)
         pass_s = ctx.cost.drafter_s(len(chosen), pending)
-        out: list[Request] = []
+        out: list[tuple[Request, float]] = []
         for r in due:
             if self.probe_budget_s <= 0:
                 break
             pending += ctx.pending(r)
             more_s = ctx.cost.drafter_s(len(chosen) + len(out) + 1, pending)
-            self.probe_budget_s -= max(more_s - pass_s, 0.0)
+            spent = max(more_s - pass_s, 0.0)
+            self.probe_budget_s -= spent
             pass_s = more_s
-            out.append(r)
+            out.append((r, spent))
         return out
 
     def widths(

@@ -196,7 +196,8 @@ def plain_cost() -> CostModel:
     return cost
 
 
-def test_failed_probes_back_off_for_the_drafter_and_new_requests_inherit_the_gap():
+def test_failed_probes_back_off_for_the_drafter_and_new_requests_inherit_the_gap(monkeypatch):
+    monkeypatch.setattr(policy_module, "PROBE_START_S", 1e9)  # the gap alone paces probes
     k = 8
     policy = CostPolicy(k, probe_every=4)
     ctx = PolicyContext(k, 1.0, plain_cost(), budget=512, other_tokens=0)
@@ -237,7 +238,8 @@ def test_a_shadow_draft_is_answered_by_the_tokens_committed_after_it():
     assert probe_outcome(r) == (1, 1)  # the request ended after one token, which matched
 
 
-def test_the_lone_probe_waits_for_the_gap_and_goes_to_the_least_context_to_catch_up():
+def test_the_lone_probe_waits_for_the_gap_and_goes_to_the_least_context_to_catch_up(monkeypatch):
+    monkeypatch.setattr(policy_module, "PROBE_START_S", 1e9)  # a pass of PROBE_REQUESTS
     k = 8
     policy = CostPolicy(k, probe_every=4)
     a, b = req(0), req(1)
@@ -261,7 +263,8 @@ def test_the_lone_probe_waits_for_the_gap_and_goes_to_the_least_context_to_catch
     assert policy.drafters([a, b], ctx) == [] and policy.probes == [a]
 
 
-def test_a_pass_of_probes_that_all_find_nothing_backs_off_once():
+def test_a_pass_of_probes_that_all_find_nothing_backs_off_once(monkeypatch):
+    monkeypatch.setattr(policy_module, "PROBE_START_S", 1e9)  # a pass of PROBE_REQUESTS
     k = 8
     policy = CostPolicy(k, probe_every=4)
     ctx = PolicyContext(k, 1.0, plain_cost(), budget=512, other_tokens=0)
@@ -302,15 +305,44 @@ def test_lone_probes_cost_at_most_their_share_of_serving_time(monkeypatch):
     """Compiled plain steps are cheap next to a probe's drafter pass: the gap alone (at most
     256 steps) lets probes take several percent of the time; the budget holds them to
     PROBE_SHARE, after the start's PROBE_START_S and one probe of debt — also when one probe
-    costs more than the budget's cap."""
+    costs more than the budget's cap — and the share backs off with the gap while probes keep
+    finding nothing."""
     serving = 20_000 * 0.0105
-    for drafter_s in (0.2, 0.6):  # 0.6 s: more than PROBE_START_S
+    for drafter_s in (0.02, 0.2, 0.6):  # 0.2 and 0.6 s: more than PROBE_START_S
         share, probes, probe_s = lone_probe_share(drafter_s)
         assert share <= PROBE_SHARE + (PROBE_START_S + probe_s) / serving
-        assert probes >= 2  # still probing: a drafter that turns good is noticed
+        assert probes >= 1  # the start's
+    share, probes, _ = lone_probe_share(0.02)
+    assert probes >= 3  # still probing: a drafter that turns good is noticed
+    assert share < PROBE_SHARE / 4  # … at a share that fell with the gap (32× at 128 steps)
     monkeypatch.setattr(policy_module, "PROBE_START_S", 1e9)  # no budget: the gap alone
     share, _, _ = lone_probe_share(0.2)
     assert share > 4 * PROBE_SHARE
+
+
+def test_a_probe_pays_back_the_share_of_its_cost_that_its_drafts_found():
+    """A probe is paid back by what its drafts found beyond what the engine-wide profile
+    expected (all 7 of 7 where it expected none: all of it; none: nothing), so a drafter that
+    turned good keeps being probed until its profile says draft; such a probe halves the
+    drafter-wide gap rather than resetting it, and one that finds what the profile expected
+    doubles it, so a drafter known to land a token now and then stays rarely probed."""
+    k = 8
+    ctx = PolicyContext(k, 1.0, plain_cost(), budget=512, other_tokens=0)
+    cases = [(0, 0.0, 128, 0), (3, 3 / 7, 32, 0), (7, 1.0, 32, 0), (1, 0.0, 128, 1)]
+    for accepted, refund, gap, known in cases:  # known: the drafts every round accepted
+        policy = CostPolicy(k, probe_every=4)
+        policy.probe_gap = policy.idle_steps = 64  # a drafter probed rarely by now
+        r = req(0)
+        for _ in range(30):
+            policy.observe(r, k, known, k)
+        assert policy.expected_accepted(k - 1) == pytest.approx(known, abs=0.05)
+        assert policy.drafters([r], ctx) == [] and policy.probes == [r]
+        spent = policy.launched[id(r)][2]  # a drafter pass: more than the start's budget
+        assert spent > PROBE_START_S
+        assert policy.probe_budget_s == pytest.approx(PROBE_START_S - spent)
+        policy.observe_probe(r, k - 1, accepted, k)
+        assert policy.probe_budget_s == pytest.approx(PROBE_START_S - spent + refund * spent)
+        assert policy.probe_gap == gap
 
 
 def test_probes_that_ride_along_spend_the_budget_they_add():
