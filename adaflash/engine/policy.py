@@ -308,10 +308,10 @@ class CostPolicy(Policy):
         target_s: dict[tuple[int, tuple[int, int] | None], float] | None = None,
     ) -> tuple[float, dict[int, int]]:
         """Best expected rate (tokens/s) and widths when ``reqs`` draft (``plain`` others
-        take a plain step): greedy slots by survival. ``ranked`` (every candidate slot of a
-        superset of ``reqs``, by survival) and ``target_s`` (pass seconds by token count and
-        the compiled graph that runs it, this step's request count) let ``drafters`` plan many
-        subsets for the price of one sort."""
+        take a plain step): greedy slots by survival (0 and widths of 1: no slot worth one).
+        ``ranked`` (every candidate slot of a superset of ``reqs``, by survival) and
+        ``target_s`` (pass seconds by token count and the compiled graph that runs it, this
+        step's request count) let ``drafters`` plan many subsets for the price of one sort."""
         k = ctx.block_size
         surv = survival or {id(r): self.survival(r, k) for r in reqs}
         if ranked is None:
@@ -367,7 +367,9 @@ class CostPolicy(Policy):
         best = {id(r): 1 for r in reqs}  # the widths at the best prefix of added slots
         for rid, w in taken[:best_taken]:
             best[rid] = w
-        return best_rate, best
+        # no slot taken is no plan: a drafter pass that verifies nothing is a plain step with
+        # a drafter pass beside it
+        return (best_rate if best_taken else 0.0), best
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
         self.predicted_s = self.expected_tokens = None  # prefills only: nothing planned

@@ -706,6 +706,29 @@ def test_drafting_steps_that_took_longer_than_priced_make_drafting_dearer():
     assert cost.drafting_bias <= 0.9 * 1.3 + 0.1 * 2.0
 
 
+def test_steps_that_went_better_than_planned_never_make_a_drafter_pass_for_nothing_pay():
+    """Drafting steps that took less than priced (a step beside a prompt chunk priced at 1.07 s
+    took 0.46 s) once made every plan worth more than its tokens: a nearly free drafter pass
+    that verified nothing looked better than the plain step, and 16 requests paid for drafter
+    passes that verified nothing. The value is capped at 1, and a plan with no slot taken is
+    not a plan."""
+    k = 8
+    cost = plain_cost()
+    cost.drafter.pin([1e-4, 0.0, 0.0])  # a drafter pass nearly free
+    for _ in range(30):
+        cost.observe_drafting_step(1.07, 0.46)
+    assert cost.drafting_bias < 0.6 and cost.drafting_value == 1.0
+    policy = CostPolicy(k)
+    reqs = [req(i) for i in range(16)]
+    for r in reqs:  # drafts that never land
+        for _ in range(30):
+            policy.observe(r, k, 0, k)
+    ctx = PolicyContext(k, 1.0, cost, budget=16 * k, other_tokens=0)
+    assert policy.drafters(reqs, ctx) == []
+    rate, widths = policy.plan(reqs, ctx, 0)
+    assert rate == 0.0 and set(widths.values()) == {1}
+
+
 def test_drafting_steps_that_committed_fewer_tokens_than_expected_make_drafting_dearer():
     """The tokens side of the same check: a narrow predicted gain drafts while drafting steps
     commit what they were expected to, and not once they have lately committed 3/4 of it."""
