@@ -72,11 +72,18 @@ class RecursiveLeastSquares:
     Plain floats, not tensors: two or three coefficients, updated every step and read ~100s of
     times a step by the policy (as tensors an update took ~15 µs, as floats ~6 µs)."""
 
-    def __init__(self, prior: list[float], forget: float = 0.97, confidence: float = 10.0) -> None:
+    def __init__(
+        self,
+        prior: list[float],
+        forget: float = 0.97,
+        confidence: float = 10.0,
+        nonnegative: bool = False,
+    ) -> None:
         n = len(prior)
         self.theta = [float(v) for v in prior]
         self.p = [[confidence if i == j else 0.0 for j in range(n)] for i in range(n)]
         self.forget = forget
+        self.nonnegative = nonnegative  # θ kept ≥ 0 after each update (each part costs time)
         self.seen = 0
 
     def pin(self, theta: list[float]) -> None:
@@ -91,6 +98,8 @@ class RecursiveLeastSquares:
         gain = [v / (self.forget + sum(xi * v for xi, v in zip(x, px, strict=True))) for v in px]
         err = y - self.predict(x)
         self.theta = [t + g * err for t, g in zip(self.theta, gain, strict=True)]
+        if self.nonnegative:
+            self.theta = [max(t, 0.0) for t in self.theta]
         # P ← (P − g·(P·x)ᵀ) / λ
         self.p = [
             [(pij - gi * pj) / self.forget for pij, pj in zip(row, px, strict=True)]
@@ -154,8 +163,9 @@ class CostModel:
         default_factory=lambda: RecursiveLeastSquares([0.05, 0.002, 0.002])
     )
     drafter: RecursiveLeastSquares = field(
-        default_factory=lambda: RecursiveLeastSquares([0.01, 0.002, 0.0001])
-    )
+        default_factory=lambda: RecursiveLeastSquares([0.01, 0.002, 0.0001], nonnegative=True)
+    )  # base, per request, per context position to catch up: each ≥ 0 (a fit of a few passes
+    # of one or two requests with long contexts once priced 16 requests at −20 ms a request)
     one_request: dict[int, float] = field(default_factory=dict)  # tokens → seconds
     plain: dict[int, float] = field(default_factory=dict)  # batch size run (``plain_key``) → s
     # plain_key → ``target_passes`` when a plain pass last measured it (1: one request's)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from adaflash.config import SamplingParams
-from adaflash.cost_model import PLAIN_REFRESH, CostModel
+from adaflash.cost_model import PLAIN_REFRESH, CostModel, RecursiveLeastSquares
 from adaflash.engine import policy as policy_module
 from adaflash.engine.policy import (
     PROBE_REQUESTS,
@@ -36,6 +36,22 @@ def test_recursive_least_squares_recovers_and_follows_costs():
         tokens = int(torch.randint(1, 64, (1,), generator=g))
         cost.observe_target(tokens, 2, 2 * (0.030 + 0.001 * tokens + 0.004))
     assert abs(cost.target_s(10, 2) - 0.088) < 3e-3
+
+
+def test_a_few_drafter_passes_never_price_more_requests_cheaper():
+    """A serving run's first drafter passes (traced on a Zen 4 at C = 16): one or two requests
+    with long contexts to catch up, one of them slow. An unconstrained fit of those four put
+    −20 ms on each request, and priced a pass of 16 requests at nothing; the drafter's fit keeps
+    every part's cost ≥ 0, so more requests never cost less."""
+    passes = [(1, 314, 0.0076), (1, 167, 0.0684), (2, 92, 0.0087), (2, 481, 0.0251)]
+    free = RecursiveLeastSquares([0.01, 0.002, 0.0001])
+    cost = CostModel()
+    for n, ctx, seconds in passes:
+        free.update([1.0, n, ctx], seconds)
+        cost.observe_drafter(n, seconds, ctx)
+    assert free.predict([1.0, 16, 100]) < 0  # what the unconstrained fit said
+    assert min(cost.drafter.theta) >= 0.0
+    assert cost.drafter_s(16, 100) >= cost.drafter_s(2, 100) >= cost.drafter_s(1, 100) > 0
 
 
 def req(i: int) -> Request:

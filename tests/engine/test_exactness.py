@@ -77,6 +77,36 @@ def test_greedy_matches_hf_generate(tiny, references, policy, drafter_kind):
             assert st.predicted_plain_s > 0 and st.measured_plain_s > 0
 
 
+def test_a_drafting_step_beside_a_prompt_chunk_teaches_no_step_time(tiny, references):
+    """Beside a prompt chunk the chunk's eager pass is most of a step's price and of its error
+    (priced 1.07 s, took 0.46 s): such a step's time is not learnt as what drafting steps
+    take (``drafting_bias``; its tokens are). Exact output all the same."""
+    _, target, _ = tiny
+    cfg = EngineConfig(policy="cost", max_batch_tokens=40, max_prefill_tokens=2)
+    engine = OracleEngine(
+        target, random_drafter(target), cfg, continuation=from_references(references)
+    )
+    engine.cost = PinnedCost()
+    priced: list[tuple[bool, float | None]] = []  # (a prompt chunk in the pass, price taught)
+    check = engine._check_prediction
+
+    def spy(res) -> None:
+        chunk = len(res.passed) > len(res.verified)  # a request still reading its prompt
+
+        def observe(predicted, measured, expected=None, committed=None) -> None:
+            priced.append((chunk, predicted))
+
+        engine.cost.observe_drafting_step = observe  # type: ignore[method-assign]
+        check(res)
+
+    engine._check_prediction = spy  # type: ignore[method-assign]
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
+    assert any(chunk for chunk, _ in priced) and any(not chunk for chunk, _ in priced), priced
+    assert all((p == 0.0) == chunk for chunk, p in priced)
+
+
 def test_probes_are_shadow_drafts_answered_by_what_the_target_commits(
     tiny, references, monkeypatch
 ):
