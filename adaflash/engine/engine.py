@@ -305,7 +305,7 @@ class Engine:
             return False
         self.stats.draft_errors += int(res.draft_failed)
         if res.pass_error is None:
-            self._check_prediction(res)
+            self._check_prediction(res, chunk=bool(prefills))
             self.cost.observe_target(
                 res.pass_tokens,
                 len(res.passed),
@@ -339,7 +339,9 @@ class Engine:
         self.scheduler.rotate([v.plan.req for v in res.verified])  # round-robin
         return True
 
-    def _check_prediction(self, res: RoundResult) -> None:
+    def _check_prediction(self, res: RoundResult, chunk: bool = False) -> None:
+        """The policy's plan for this step against what it took and committed (``chunk``: a
+        prompt chunk was in the pass)."""
         predicted = self._policy.predicted_s
         # a failed drafter pass, or requests deferred over the budget: not what was planned
         if predicted is None or res.draft_failed or res.deferred:
@@ -350,7 +352,6 @@ class Engine:
         if any(v.plan.verify_len > 1 for v in res.verified):  # drafts verified (not probes)
             # beside a prompt chunk the chunk's eager pass is most of the price and its error
             # (priced 1.07 s, took 0.46 s): not what drafting steps take, so no time learnt
-            chunk = res.pass_tokens > sum(v.plan.verify_len for v in res.verified)
             priced = 0.0 if chunk else predicted
             self.cost.observe_drafting_step(priced, measured, expected, committed)
             least = self._policy.whole_least

@@ -240,10 +240,14 @@ class CostPolicy(Policy):
     def expected_accepted(self, compared: int) -> float:
         """Drafts a probe comparing ``compared`` slots finds by the engine-wide profile."""
         out, s = 0.0, 1.0
-        for ok, seen in zip(self.ok[:compared], self.seen[:compared], strict=True):
-            s *= ok / max(seen, 1e-9)
+        for i in range(compared):
+            s *= self.engine_rate(i)
             out += s
         return out
+
+    def engine_rate(self, i: int) -> float:
+        """Slot i's acceptance by the engine-wide profile (after every slot before it)."""
+        return self.ok[i] / max(self.seen[i], 1e-9)
 
     def gap(self, r: Request) -> int:
         """Rounds between ``r``'s probes: its own, or the drafter's until it has one."""
@@ -273,7 +277,7 @@ class CostPolicy(Policy):
             seen, ok = profile(r, block_size)
             raw, s = [], 1.0
             for i in range(block_size - 1):
-                prior = self.ok[i] / max(self.seen[i], 1e-9)
+                prior = self.engine_rate(i)
                 a = (ok[i] + PRIOR_WEIGHT * prior) / (seen[i] + PRIOR_WEIGHT)
                 s *= min(max(a, 0.0), 1.0)
                 raw.append(s)

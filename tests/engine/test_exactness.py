@@ -90,14 +90,14 @@ def test_a_drafting_step_beside_a_prompt_chunk_teaches_no_step_time(tiny, refere
     priced: list[tuple[bool, float | None]] = []  # (a prompt chunk in the pass, price taught)
     check = engine._check_prediction
 
-    def spy(res) -> None:
+    def spy(res, **kw) -> None:
         chunk = len(res.passed) > len(res.verified)  # a request still reading its prompt
 
         def observe(predicted, measured, expected=None, committed=None) -> None:
             priced.append((chunk, predicted))
 
         engine.cost.observe_drafting_step = observe  # type: ignore[method-assign]
-        check(res)
+        check(res, **kw)
 
     engine._check_prediction = spy  # type: ignore[method-assign]
     results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
