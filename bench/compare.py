@@ -35,6 +35,11 @@ adaptation; the engine's verify-width policies, each with three drafters.
   the criteria read and no others: ``cost`` with each drafter, ``head`` and ``oracle-len`` with
   the shipped one (the weak and oracle drafters' ``head`` and ``oracle-len`` rows, at 0.25–0.5×
   ``ar``, took over half of a full run's time)
+- ``--capture-row`` adds ``ar-capture``: the ``ar`` policy with the first drafter attached. It
+  never drafts, but its plain steps run the graphs that keep the drafter's captured layers and
+  it stores their features, as a speculative engine's plain steps do: between it and ``ar`` lies
+  what keeping the drafter's context costs, between it and ``cost`` what the policy and its
+  probes cost (its ``verify_s``, the target passes, against ``ar``'s)
 
 The drafters run in ``--dtype`` as `serve` runs them, and the target's one-request steps run on
 the compiled graphs `serve` builds (``models/decode_graph.py``: plain decode with and without the
@@ -116,8 +121,12 @@ SPEC_METHODS = ("dflash", "osd", "adaflash", "oracle")
 STUDIES = ("paper", "policies", "both")
 POLICY_DRAFTERS = ("shipped", "weak", "oracle")
 POLICY_METHODS = ("head", "cost", "oracle-len")  # each with every drafter (+ ar, hf once)
+# ``--capture-row``: plain decoding with the drafter attached (module docstring)
+CAPTURE_METHOD = "ar-capture"
+ROW_METHODS = (CAPTURE_METHOD, *POLICY_METHODS)  # a drafter's rows in the tables, in this order
 ENGINE_POLICY: dict[str, Policy] = {
     "ar": "ar",
+    CAPTURE_METHOD: "ar",
     "head": "head",
     "cost": "cost",
     "oracle-len": "fixed",
@@ -485,12 +494,14 @@ def policy_plan(
     with_hf: bool = True,
     with_llama: bool = False,
     criteria_only: bool = False,
+    capture_row: bool = False,
 ) -> list[Key]:
     """The methods of one cell in the order each repeat runs them; ``criteria_only``: the rows
     the criteria read alone (``cost`` with every drafter, ``head`` and ``oracle-len`` with the
-    shipped one)."""
+    shipped one); ``capture_row``: ``ar-capture`` with the first drafter, right after ``ar``."""
     plan: list[Key] = [(None, "ar")] + ([(None, "hf")] if with_hf else [])
     plan += [(None, "llamacpp")] if with_llama else []
+    plan += [(drafters[0], CAPTURE_METHOD)] if capture_row and drafters else []
     for d in drafters:
         methods = POLICY_METHODS if d == "shipped" or not criteria_only else ("cost",)
         plan += [(d, m) for m in methods if not (d == "oracle" and m == "oracle-len")]
@@ -554,6 +565,7 @@ def policy_cell(
         with_hf=not s.args.no_hf,
         with_llama=s.llama is not None,
         criteria_only=s.args.criteria_only,
+        capture_row=s.args.capture_row,
     )
     runs: dict[Key, list[dict]] = {key: [] for key in plan}
     if s.args.sequential:
@@ -911,7 +923,7 @@ def policy_summary(idx: dict, drafter: str, concs: list[int], domains: list[str]
     """Rows = method (ar, hf and llamacpp for reference), columns = C, cells = domain-averaged
     speedup."""
     methods = [("ar", None), ("hf", None), ("llamacpp", None)]
-    methods += [(m, drafter) for m in POLICY_METHODS]
+    methods += [(m, drafter) for m in ROW_METHODS]
     lines = [
         "| method | " + " | ".join(f"C={c}" for c in concs) + " |",
         "|---|" + "---|" * len(concs),
@@ -941,7 +953,7 @@ def policy_detail(
 ) -> list[str]:
     """Rows = method × domain, columns = C; cells = median speedup [worst–best], paired speedup
     / τ (width), or for ar/hf/llamacpp (``drafter`` None) median tokens/s [min–max]."""
-    methods = ("ar", "hf", "llamacpp") if drafter is None else POLICY_METHODS
+    methods = ("ar", "hf", "llamacpp") if drafter is None else ROW_METHODS
     lines = [
         "| method | domain | " + " | ".join(f"C={c}" for c in concs) + " |",
         "|---|---|" + "---|" * len(concs),
@@ -1186,6 +1198,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="policy study: only the rows the criteria read (cost with every drafter; head and "
         "oracle-len with the shipped one): under half the time, the slow rows left out",
+    )
+    ap.add_argument(
+        "--capture-row",
+        action="store_true",
+        help="policy study: add ar-capture (plain decoding with the first drafter attached: "
+        "what keeping its context costs, apart from the cost policy)",
     )
     ap.add_argument(
         "--no-hf",

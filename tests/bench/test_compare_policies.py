@@ -110,6 +110,34 @@ def test_policy_plan_skips_the_oracle_drafters_length_oracle(compare: ModuleType
     ]
 
 
+def test_the_capture_row_is_plain_decoding_with_the_first_drafter_attached(
+    compare: ModuleType,
+) -> None:
+    plan = compare.policy_plan(["weak", "shipped"], with_hf=False, capture_row=True)
+    assert plan[:2] == [(None, "ar"), ("weak", "ar-capture")]
+    assert sum(m == "ar-capture" for _, m in plan) == 1
+    assert "ar-capture" not in {m for _, m in compare.policy_plan(["weak"], with_hf=False)}
+    assert compare.ENGINE_POLICY["ar-capture"] == "ar"
+    # its rows show in the tables under its drafter, before the policies; the criteria skip them
+    rows = [
+        row(None, "ar", "chat", 4, 10.0),
+        row("weak", "ar-capture", "chat", 4, 9.0, sp=0.9),
+        row("weak", "cost", "chat", 4, 10.0),
+    ]
+    for r in rows:
+        sp = r["speedup"]
+        r |= {"paired": sp, "paired_min": sp, "paired_max": sp}
+    for r in rows[1:]:
+        r |= {"accept_len": 1.0, "verify_len": 1.0}
+    idx = compare.policy_index(rows)
+    summary = compare.policy_summary(idx, "weak", [4], ["chat"])
+    assert [line.split(" |")[0] for line in summary[2:]] == ["| ar", "| ar-capture", "| cost"]
+    assert "0.90×" in summary[3]
+    detail = compare.policy_detail(idx, "weak", [4], ["chat"])
+    assert detail[2].startswith("| ar-capture | chat | 0.90×")
+    assert compare.criteria(rows)["a"]["pass"] is True  # (a) reads cost alone
+
+
 def test_the_llamacpp_peer_row_runs_c_prompts_a_batch_and_reports_their_rate(
     compare: ModuleType,
 ) -> None:
