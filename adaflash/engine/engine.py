@@ -339,7 +339,7 @@ class Engine:
         self.scheduler.rotate([v.plan.req for v in res.verified])  # round-robin
         return True
 
-    def _check_prediction(self, res: RoundResult, chunk: bool = False) -> None:
+    def _check_prediction(self, res: RoundResult, *, chunk: bool) -> None:
         """The policy's plan for this step against what it took and committed (``chunk``: a
         prompt chunk was in the pass)."""
         predicted = self._policy.predicted_s
