@@ -20,16 +20,19 @@ more verified token; so slots are added greedily by survival, and the step's rat
 for every prefix. Who drafts is chosen the same way, comparing the best rate with each number of
 drafting requests against the plain step; a number whose expected tokens, every slot counted,
 over its cheapest possible step cannot beat the best so far is not planned at all (so a drafter
-that does not pay costs the policy a few microseconds a step, not a plan per subset). A drafted
-token counts in full where it frees something: a request that finishes a step sooner lets a
-queued one in, or it was the only one. With nobody queued, the batch runs as long as its slowest
-request, so a plan's extra tokens are worth what the plain step saves with one request fewer
-(nothing where both pad up to one compiled batch size; ``freed_value``), except as far as every
-request gains them (a plan in which all draft is worth its least request's expected drafts,
-times the batch, times what such plans gained the batch lately per drafts planned:
-``CostModel.whole_yield``, ``batch_gain``). A request that has not drafted for
-``probe_every`` rounds is probed (its profile may be stale after a hot swap or on a new
-domain); a probe that finds nothing doubles that gap (up to 256 rounds), one that finds
+that does not pay costs the policy a few microseconds a step, not a plan per subset). A request
+that has not drafted lately brings its drafter pass a backlog of context to catch up: a plan
+charges it the share of the tokens the request has left that this step would commit
+(``charged``), since once caught up it drafts on without it; the step's predicted price keeps
+the whole backlog. A drafted token counts in full where it frees something: a request that
+finishes a step sooner lets a queued one in, or it was the only one. With nobody queued, the
+batch runs as long as its slowest request, so a plan's extra tokens are worth what the plain
+step saves with one request fewer (nothing where both pad up to one compiled batch size;
+``freed_value``), except as far as every request gains them (a plan in which all draft is worth
+its least request's expected drafts, times the batch, times what such plans gained the batch
+lately per drafts planned: ``CostModel.whole_yield``, ``batch_gain``). A request that has not
+drafted for ``probe_every`` rounds is probed (its profile may be stale after a hot swap or on
+a new domain); a probe that finds nothing doubles that gap (up to 256 rounds), one that finds
 accepted drafts resets it. A probe is a *shadow* draft: the drafter proposes the request's
 whole block, the target does not verify it, and the request takes its plain step as if
 nothing had been drafted. The tokens it then commits are the
@@ -168,6 +171,7 @@ PROBE_SHARE = 0.005
 # to 5.6% of a cold 20-second study cell; 0.06 s, three lone passes at C = 8, ~0.6%)
 PROBE_START_S = 0.02
 PROBE_REQUESTS = 4  # a pass of probes alone takes up to this many requests, cheapest first
+CATCH_UP_HORIZON = 128  # tokens at most over which a plan spreads a request's context backlog
 _states = itertools.count(1)  # numbers the cost policies' profile states, process-wide
 
 
@@ -343,7 +347,7 @@ class CostPolicy(Policy):
                 memo[key] = ctx.cost.target_s(n, n_req, widest)
             return memo[key]
 
-        fixed = ctx.cost.drafter_s(len(reqs), sum(ctx.pending(r) for r in reqs))
+        fixed = ctx.cost.drafter_s(len(reqs), sum(charged(r, ctx, surv[id(r)]) for r in reqs))
         # what drafting steps committed and took against their plans, lately
         value = ctx.cost.drafting_value
         best_rate, best_taken = value * worth / (fixed + pass_s(n_tok)), 0
@@ -399,9 +403,9 @@ class CostPolicy(Policy):
         )
         least_pass = min(plain_s, narrowest)
         best_n, best_rate = 0, plain_rate
-        tokens, pending = float(len(ready)), 0
+        tokens, pending = float(len(ready)), 0.0
         for n, r in enumerate(order, 1):
-            tokens, pending = tokens + gain[id(r)], pending + ctx.pending(r)
+            tokens, pending = tokens + gain[id(r)], pending + charged(r, ctx, surv[id(r)])
             # no plan of these n can beat the best when all their expected tokens (what they
             # are worth, where others take a plain step: ``freed_value``) over the cheapest step
             # they could take do not (a drafter that does not pay: no plan at all, which was
@@ -503,6 +507,22 @@ class CostPolicy(Policy):
         self.expected_tokens = ctx.plain_requests + len(spec) + sum(drafts)
         self.planned = {id(r): raw[id(r)][: w - 1] for r, w in zip(spec, chosen, strict=True)}
         return torch.tensor(chosen)
+
+
+def charged(r: Request, ctx: PolicyContext, survival: Sequence[float]) -> float:
+    """The context positions a plan charges ``r``'s drafter pass: what a request that drafts on
+    brings each step (the tokens a drafting step commits, 1 + Σ survival) in full, and the
+    backlog beyond it — positions committed while it did not draft, one-time work that lets it
+    draft from now on — spread over the tokens it has left (up to ``CATCH_UP_HORIZON``; a
+    reply may end sooner), this step's share of them. The step's price as predicted
+    (``draft_s``, what ``drafting_bias`` learns from) keeps the whole backlog. (Charged in
+    full to the first drafting step, the oracle drafter at 8 requests was priced 26–61 ms a
+    drafter pass instead of 16–29 against a plain step of 17–18 ms, and every plain step added
+    to the backlog: it never drafted, AMX, study at d631cf5.)"""
+    pending, expected = float(ctx.pending(r)), 1.0 + sum(survival)
+    steady = min(pending, expected)
+    horizon = max(min(r.tokens_left, CATCH_UP_HORIZON), 1)
+    return steady + (pending - steady) * min(expected / horizon, 1.0)
 
 
 def alone(ctx: PolicyContext) -> bool:
