@@ -368,7 +368,7 @@ class CostModel:
             return line if tokens > ONE_REQUEST_MAX else between(table, tokens, line)
         return max(line, self.plain.get(self.plain_key(requests), 1e-6))
 
-    def drafter_s(self, requests: int, context: int = 0) -> float:
+    def drafter_s(self, requests: int, context: float = 0) -> float:
         """Predicted seconds of a drafter pass for ``requests`` that bring ``context`` new
         context positions to project (0 requests: no pass, no cost)."""
         if requests == 0:

@@ -540,10 +540,11 @@ class Engine:
         """Serve ``drafter``, a ``_serving_copy``."""
         c = drafter.cfg
         if self.features is None:  # a hot swap keeps the layers, hence the width
-            self.features = FeatureStore(
+            self.features = FeatureStore.reserve(
                 c.num_features * self.target.cfg.hidden_size,
                 self.target.dtype,
                 rows=self.cfg.max_running_requests,
+                positions=self.max_context,
             )
         cache = KVCache(
             c.num_layers,

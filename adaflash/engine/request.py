@@ -17,6 +17,10 @@ ONE_COPY_MIN = 6  # FeatureStore: one step's rows of fewer slots are written one
 # read, and writes them all in one copy (one copy a step of 16 rows took ~0.45 ms, under
 # cProfile, of a ~35 ms compiled batch-16 step on a Zen 4 EPYC where nobody drafted and read them)
 DEFER_ROWS = 512
+# FeatureStore.reserve: address space a feature pool may take up front; it is never cleared, so
+# only the pages written are ever backed (a pool that started at 256 positions and doubled spent
+# ~0.8% of a 128-token run at 16 requests copying itself, Zen 5, ``bench/profile_study.py``)
+RESERVE_BYTES = 1 << 30
 
 
 class FeatureStore:
@@ -26,6 +30,14 @@ class FeatureStore:
     context can be rebuilt after a hot swap. ``length`` counts the rows appended; those of
     ``append_many`` are written when read (``view``), when a slot is freed, or once
     ``DEFER_ROWS`` are waiting (``flush``)."""
+
+    @classmethod
+    def reserve(cls, width: int, dtype: torch.dtype, rows: int, positions: int) -> FeatureStore:
+        """A pool with room for ``positions`` per row from the start (``RESERVE_BYTES`` at
+        most; beyond that it grows as before): a request never waits for a copy of the pool."""
+        per_position = rows * width * torch.empty((), dtype=dtype).element_size()
+        capacity = max(min(positions, RESERVE_BYTES // per_position), 256)
+        return cls(width, dtype, capacity=capacity, rows=rows)
 
     def __init__(self, width: int, dtype: torch.dtype, capacity: int = 256, rows: int = 4) -> None:
         # never read past a slot's length, so never cleared: a cleared pool touched every page

@@ -15,6 +15,21 @@ from tests.engine.oracle import OracleEngine, PinnedCost, greedy_continuation
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [30], [40, 41, 42, 43, 44]]
 
 
+def test_a_reserved_feature_pool_holds_the_context_up_to_its_byte_cap(monkeypatch):
+    """Room for every position a request may reach, from the start, up to ``RESERVE_BYTES``
+    (then it grows as before); never fewer than 256 positions."""
+    store = FeatureStore.reserve(8, torch.bfloat16, rows=4, positions=1000)
+    assert store.data.shape == (4, 1000, 8)
+    monkeypatch.setattr(request_module, "RESERVE_BYTES", 4 * 8 * 2 * 300)  # 300 positions' worth
+    assert FeatureStore.reserve(8, torch.bfloat16, rows=4, positions=1000).data.shape[1] == 300
+    assert FeatureStore.reserve(8, torch.float32, rows=4, positions=1000).data.shape[1] == 256
+    store = FeatureStore.reserve(8, torch.bfloat16, rows=4, positions=100)
+    assert store.data.shape[1] == 256
+    slot = store.allocate()
+    store.append(slot, torch.ones(400, 8, dtype=torch.bfloat16))  # past it: the pool grows
+    assert store.data.shape[1] >= 400 and store.view(slot).shape == (400, 8)
+
+
 @pytest.mark.parametrize("one_copy_min", [2, request_module.ONE_COPY_MIN])
 def test_append_many_equals_appends_one_slot_at_a_time(monkeypatch, one_copy_min):
     """Across growth of the pool (capacity 4 → more) and after a free moved a row; with 2 the
@@ -146,7 +161,8 @@ def test_the_drafter_context_holds_the_features_of_every_committed_position(
 def test_the_engine_reserves_a_row_per_request_it_may_run(tiny_llama, monkeypatch):
     """Target KV, drafter KV and features hold ``max_running_requests`` rows from the start, so
     a full batch never grows them (each growth of a pool copied it into fresh memory mid-step);
-    the capacity still grows where a request needs it."""
+    the KV pools' capacity still grows where a request needs it, and the features (never
+    cleared: only the pages written are backed) hold ``max_context`` positions from the start."""
     _, target, _ = tiny_llama
     cfg = EngineConfig(policy="fixed", max_running_requests=3, max_batch_tokens=40)
     engine = OracleEngine(
@@ -159,20 +175,22 @@ def test_the_engine_reserves_a_row_per_request_it_may_run(tiny_llama, monkeypatc
         "features": engine.features,
     }
     assert {name: pool.data.shape[0] for name, pool in pools.items()} == dict.fromkeys(pools, 3)
-    grown: list[tuple[int, int]] = []
+    assert engine.features.data.shape[1] == engine.max_context
+    grown: list[tuple[str, int, int]] = []
 
-    def watched(resize):
+    def watched(name, resize):
         def grow(rows: int, capacity: int) -> None:
-            grown.append((rows, capacity))
+            grown.append((name, rows, capacity))
             resize(rows, capacity)
 
         return grow
 
-    for pool in pools.values():
-        monkeypatch.setattr(pool, "_resize", watched(pool._resize))
+    for name, pool in pools.items():
+        monkeypatch.setattr(pool, "_resize", watched(name, pool._resize))
     long = [5 + i % 80 for i in range(300)]  # past the initial capacity of 256 positions
     results = engine.generate(
         [*PROMPTS[:2], long], SamplingParams(max_new_tokens=8, ignore_eos=True)
     )
     assert all(r.finish_reason == "length" for r in results)
-    assert grown and all(rows == 3 for rows, _ in grown)  # capacity only
+    assert grown and all(rows == 3 for _, rows, _ in grown)  # capacity only …
+    assert "features" not in {name for name, _, _ in grown}  # … of the KV pools
