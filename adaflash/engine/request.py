@@ -18,8 +18,9 @@ ONE_COPY_MIN = 6  # FeatureStore: one step's rows of fewer slots are written one
 # cProfile, of a ~35 ms compiled batch-16 step on a Zen 4 EPYC where nobody drafted and read them)
 DEFER_ROWS = 512
 # FeatureStore.reserve: address space a feature pool may take up front; it is never cleared, so
-# only the pages written are ever backed (a pool that started at 256 positions and doubled spent
-# ~0.8% of a 128-token run at 16 requests copying itself, Zen 5, ``bench/profile_study.py``)
+# only the pages written are ever backed. (Doubling from 256 positions took 0.8% of a 128-token
+# run at 16 requests, Zen 5, ``bench/profile_study.py``, mostly faulting in fresh pages, which
+# the first writes into a reserved pool still do: what it saves is the copy, ~0.1–0.3%.)
 RESERVE_BYTES = 1 << 30
 
 
