@@ -201,7 +201,7 @@ def test_drafter_cost_learns_context_catch_up_and_the_policy_prices_it():
     near = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0, pending=lambda _: 1)
     far = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0, pending=lambda _: 600)
     assert policy.drafters([r], near) == [r]  # drafting pays when it is caught up …
-    # … and with 600 positions to catch up first (60 ms, a step and a half), while that backlog
+    # … and with 600 positions to catch up first (70 ms, nearly two steps), while that backlog
     # is spread over the 63 tokens it has left: once caught up, it drafts on without it …
     assert r.tokens_left == 63 and policy.drafters([r], far) == [r]
     assert policy.draft_s > cost.drafter_s(1, 600) - 1e-9  # (priced in full as predicted)
