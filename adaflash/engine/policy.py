@@ -314,14 +314,18 @@ class CostPolicy(Policy):
         survival: dict[int, list[float]] | None = None,
         ranked: list[tuple[float, int, int]] | None = None,
         target_s: dict[tuple[int, tuple[int, int] | None], float] | None = None,
+        charge: dict[int, float] | None = None,
     ) -> tuple[float, dict[int, int]]:
         """Best expected rate (tokens/s) and widths when ``reqs`` draft (``plain`` others
         take a plain step): greedy slots by survival (0 and widths of 1: no slot worth one).
-        ``ranked`` (every candidate slot of a superset of ``reqs``, by survival) and
-        ``target_s`` (pass seconds by token count and the compiled graph that runs it, this
-        step's request count) let ``drafters`` plan many subsets for the price of one sort."""
+        ``ranked`` (every candidate slot of a superset of ``reqs``, by survival), ``target_s``
+        (pass seconds by token count and the compiled graph that runs it, this step's request
+        count) and ``charge`` (each request's ``charged`` context) let ``drafters`` plan many
+        subsets for the price of one sort."""
         k = ctx.block_size
         surv = survival or {id(r): self.survival(r, k) for r in reqs}
+        if charge is None:
+            charge = {id(r): charged(r, ctx, sum(surv[id(r)])) for r in reqs}
         if ranked is None:
             ranked = rank_slots(reqs, surv)
         memo = {} if target_s is None else target_s
@@ -347,7 +351,7 @@ class CostPolicy(Policy):
                 memo[key] = ctx.cost.target_s(n, n_req, widest)
             return memo[key]
 
-        fixed = ctx.cost.drafter_s(len(reqs), sum(charged(r, ctx, surv[id(r)]) for r in reqs))
+        fixed = ctx.cost.drafter_s(len(reqs), sum(charge[id(r)] for r in reqs))
         # what drafting steps committed and took against their plans, lately
         value = ctx.cost.drafting_value
         best_rate, best_taken = value * worth / (fixed + pass_s(n_tok)), 0
@@ -389,6 +393,7 @@ class CostPolicy(Policy):
         surv = {id(r): self.survival(r, k) for r in ready}  # once per step
         # candidates by their value: expected extra tokens from the first few slots
         gain = {id(r): sum(surv[id(r)]) for r in ready}
+        charge = {id(r): charged(r, ctx, gain[id(r)]) for r in ready}  # context, once per step
         order = sorted(ready, key=lambda r: -gain[id(r)])
         ranked: list[tuple[float, int, int]] | None = None  # every slot by survival, once
         seconds: dict[tuple[int, tuple[int, int] | None], float] = {}
@@ -405,7 +410,7 @@ class CostPolicy(Policy):
         best_n, best_rate = 0, plain_rate
         tokens, pending = float(len(ready)), 0.0
         for n, r in enumerate(order, 1):
-            tokens, pending = tokens + gain[id(r)], pending + charged(r, ctx, surv[id(r)])
+            tokens, pending = tokens + gain[id(r)], pending + charge[id(r)]
             # no plan of these n can beat the best when all their expected tokens (what they
             # are worth, where others take a plain step: ``freed_value``) over the cheapest step
             # they could take do not (a drafter that does not pay: no plan at all, which was
@@ -420,7 +425,7 @@ class CostPolicy(Policy):
                 continue
             if ranked is None:
                 ranked = rank_slots(ready, surv)
-            rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds)
+            rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds, charge)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         if best_n and not ctx.other_tokens and ctx.cost.plain_stale(ctx.requests or len(ready)):
@@ -509,19 +514,19 @@ class CostPolicy(Policy):
         return torch.tensor(chosen)
 
 
-def charged(r: Request, ctx: PolicyContext, survival: Sequence[float]) -> float:
+def charged(r: Request, ctx: PolicyContext, drafts: float) -> float:
     """The context positions a plan charges ``r``'s drafter pass: what a request that drafts on
-    brings each step (the tokens a drafting step commits, 1 + Σ survival) in full, and the
-    backlog beyond it — positions committed while it did not draft, one-time work that lets it
-    draft from now on — spread over the tokens it has left (up to ``CATCH_UP_HORIZON``; a
-    reply may end sooner), this step's share of them. The step's price as predicted
-    (``draft_s``, what ``drafting_bias`` learns from) keeps the whole backlog. (Charged in
-    full to the first drafting step, the oracle drafter at 8 requests was priced 26–61 ms a
-    drafter pass instead of 16–29 against a plain step of 17–18 ms, and every plain step added
-    to the backlog, AMX, study at d631cf5. Charged so, on a Zen 5 EPYC it still does not draft
-    at 8 requests, rightly: its drafter pass alone, 10–12 ms, costs more than the plain step,
-    9.5 ms, and drafting forced there ran 0.82× plain decoding.)"""
-    pending, expected = float(ctx.pending(r)), 1.0 + sum(survival)
+    brings each step (the tokens a drafting step commits: 1 + ``drafts``, its expected drafts,
+    Σ survival) in full, and the backlog beyond it — positions committed while it did not
+    draft, one-time work that lets it draft from now on — spread over the tokens it has left
+    (up to ``CATCH_UP_HORIZON``; a reply may end sooner), this step's share of them. The
+    step's price as predicted (``draft_s``, what ``drafting_bias`` learns from) keeps the whole
+    backlog. (Charged in full to the first drafting step, the oracle drafter at 8 requests was
+    priced 26–61 ms a drafter pass instead of 16–29 against a plain step of 17–18 ms, and every
+    plain step added to the backlog, AMX, study at d631cf5. Charged so, on a Zen 5 EPYC it
+    still does not draft at 8 requests, rightly: its drafter pass alone, 10–12 ms, costs more
+    than the plain step, 9.5 ms, and drafting forced there ran 0.82× plain decoding.)"""
+    pending, expected = float(ctx.pending(r)), 1.0 + drafts
     steady = min(pending, expected)
     horizon = max(min(r.tokens_left, CATCH_UP_HORIZON), 1)
     return steady + (pending - steady) * min(expected / horizon, 1.0)

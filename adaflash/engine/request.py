@@ -36,7 +36,7 @@ class FeatureStore:
     def reserve(cls, width: int, dtype: torch.dtype, rows: int, positions: int) -> FeatureStore:
         """A pool with room for ``positions`` per row from the start (``RESERVE_BYTES`` at
         most; beyond that it grows as before): a request never waits for a copy of the pool."""
-        per_position = rows * width * torch.empty((), dtype=dtype).element_size()
+        per_position = rows * width * dtype.itemsize
         capacity = max(min(positions, RESERVE_BYTES // per_position), 256)
         return cls(width, dtype, capacity=capacity, rows=rows)
 
