@@ -78,6 +78,21 @@ def test_the_drafter_fit_keeps_its_prior_ratio_where_passes_never_varied():
     assert min(relative) > 0.5 and max(relative) < 2.0
 
 
+@pytest.mark.xfail(strict=True, reason="covariance windup of the RLS fit: open in #14")
+def test_thousands_of_one_request_drafter_passes_keep_the_fit_sound():
+    """One-request passes never vary base against per request, so with forgetting the fit's
+    covariance grows by 1/λ an update along that direction until the float arithmetic breaks
+    (~3,000 passes: a server probing one request at a time for about a day). A known defect:
+    when it is fixed this test passes and strict xfail fails, to be unmarked."""
+    rng = random.Random(1)
+    cost = CostModel()
+    for _ in range(3000):
+        ctx = rng.randint(1, 150)
+        cost.observe_drafter(1, (10 + 0.05 * ctx + rng.gauss(0, 0.5)) / 1e3, ctx)
+    assert all(cost.drafter.p[i][i] > 0 for i in range(3))
+    assert abs(cost.drafter_s(1, 50) - 0.0125) < 0.002
+
+
 def req(i: int) -> Request:
     r = Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=64))
     r.output_ids = [5]
