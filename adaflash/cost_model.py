@@ -110,8 +110,9 @@ class RecursiveLeastSquares:
         prediction, so a direction the passes seen so far never varied keeps its prior ratio.
         With one ``confidence`` for all (P = c·I, c ≫ the coefficients²), the first few
         observations decide alone along their own direction: six one-request drafter passes,
-        replayed in 20 orders, priced 8 requests catching up 813 positions at 0.37–4.69× the
-        pass's measured time; with this prior, 1.66–1.67×."""
+        replayed in 20 orders, priced 8 requests catching up 813 positions at 0.40–3.90× the
+        pass's measured time (0.37–4.69× under plain exponential forgetting); with this prior,
+        1.66–1.67×."""
         rls = cls(prior, **kwargs)
         rls.info = [
             [(noise / (share * v)) ** 2 if i == j else 0.0 for j in range(len(prior))]

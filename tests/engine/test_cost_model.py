@@ -58,7 +58,7 @@ def test_a_few_drafter_passes_never_price_more_requests_cheaper():
 def test_the_drafter_fit_keeps_its_prior_ratio_where_passes_never_varied():
     """A cost engine's first drafter passes are one-request probes (times of a Zen 5 trace,
     milliseconds), so requests and positions are not identified: priced with P = c·I, an 8-request
-    pass catching up 813 positions (measured 16.4 ms) came out 0.4–4.7× that depending only on
+    pass catching up 813 positions (measured 16.4 ms) came out 0.4–3.9× that depending only on
     the order of the same six passes; with the relative prior, the same in every order and near
     what it took."""
     passes = [(1, 1, 3.6), (1, 1, 4.0), (1, 1, 4.2), (1, 129, 5.7), (1, 60, 5.0), (1, 1, 3.8)]
