@@ -82,7 +82,9 @@ class RecursiveLeastSquares:
     12.5 ms price at 23.1 ms after 60 passes, plain forgetting 23.3).
 
     Plain floats, not tensors: two or three coefficients, updated every step and read ~100s of
-    times a step by the policy (as tensors an update took ~15 µs, as floats ~6 µs)."""
+    times a step by the policy (as tensors an update took ~15 µs, as floats ~6 µs; the
+    information form's solve made a three-coefficient update 30.5 µs against 22.5 on a Zen 2
+    EPYC)."""
 
     def __init__(
         self,
