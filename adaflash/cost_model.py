@@ -92,12 +92,15 @@ class RecursiveLeastSquares:
         forget: float = 0.97,
         confidence: float = 10.0,
         nonnegative: bool = False,
+        variance: list[float] | None = None,
     ) -> None:
         n = len(prior)
         self.theta = [float(v) for v in prior]
-        # R₀ = P₀⁻¹: the prior's information (P₀ = confidence · I)
-        self.info = [[1.0 / confidence if i == j else 0.0 for j in range(n)] for i in range(n)]
-        self.prior_info = [row[:] for row in self.info]  # R₀, what forgetting returns to
+        # P₀ = diag(variance), else confidence · I; R₀ = P₀⁻¹, the prior's information
+        diag = variance or [confidence] * n
+        self.info = [[1.0 / diag[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
+        # (1 − λ)·R₀: what each update adds back of the prior (constant)
+        self.floor = [[(1.0 - forget) * v for v in row] for row in self.info]
         self.forget = forget
         self.nonnegative = nonnegative  # θ kept ≥ 0 after each update (each part costs time)
         self.seen = 0
@@ -115,13 +118,7 @@ class RecursiveLeastSquares:
         replayed in 20 orders, priced 8 requests catching up 813 positions at 0.40–3.90× the
         pass's measured time (0.37–4.69× under plain exponential forgetting); with this prior,
         1.66–1.67×."""
-        rls = cls(prior, **kwargs)
-        rls.info = [
-            [(noise / (share * v)) ** 2 if i == j else 0.0 for j in range(len(prior))]
-            for i, v in enumerate(rls.theta)
-        ]
-        rls.prior_info = [row[:] for row in rls.info]
-        return rls
+        return cls(prior, variance=[(share * v / noise) ** 2 for v in prior], **kwargs)
 
     @property
     def p(self) -> list[list[float]]:
@@ -139,13 +136,10 @@ class RecursiveLeastSquares:
 
     def update(self, x: list[float], y: float) -> None:
         # R ← λ·R + (1 − λ)·R₀ + x·xᵀ: positive definite; where no x informs R it tends to R₀
-        lam, r0 = self.forget, self.prior_info
+        lam = self.forget
         self.info = [
-            [
-                lam * rij + (1.0 - lam) * pij + xi * xj
-                for rij, pij, xj in zip(row, p0, x, strict=True)
-            ]
-            for row, p0, xi in zip(self.info, r0, x, strict=True)
+            [lam * rij + fij + xi * xj for rij, fij, xj in zip(row, floor, x, strict=True)]
+            for row, floor, xi in zip(self.info, self.floor, x, strict=True)
         ]
         gain = solve(self.info, x)  # R⁻¹·x
         err = y - self.predict(x)
