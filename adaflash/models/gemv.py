@@ -6,7 +6,10 @@ weights in panels, ``csrc/gemm_bf16_panels.cpp``), with AMX tiles where the CPU 
 
 ``torch.ops.adaflash.gemv_bf16(x, w)``: y (M, N) = x (M, K) · w (N, K)ᵀ for a few rows, bf16 in
 and out, fp32 accumulation. The same library holds ``torch.ops.adaflash.decode_attention``
-(``attention``: the compiled steps' attention over the KV pool, ``csrc/decode_attention.cpp``).
+(``attention``: the compiled steps' attention over the KV pool, ``csrc/decode_attention.cpp``;
+with AVX-512, calls of two new tokens a request or more take its tile path, scores through
+vdpbf16ps or, where built with AMX-BF16, AMX tiles: ``ADAFLASH_ATTENTION_TILES=0`` switches
+that path off).
 ``layers.linear`` and the compiled steps (``decode_graph``; inductor calls it as an opaque op)
 send inputs of up to ``max_rows()`` rows here instead of oneDNN.
 
@@ -247,6 +250,8 @@ def _loaded(chosen: Variant) -> bool:
         return False
     register_fake()
     torch.ops.adaflash.set_attention_split(chosen.attention_split)
+    tiles = os.environ.get("ADAFLASH_ATTENTION_TILES", "1") != "0"
+    torch.ops.adaflash.set_attention_tile_tokens(2 if tiles else 1 << 30)
     global _loaded_variant
     _loaded_variant = chosen
     return True

@@ -151,7 +151,18 @@ def attention_reference(q, k, v, pool, rows, layer, pos):  # type: ignore[no-unt
     # a last 8-chunk beyond the 32-dim blocks (24), and d no multiple of 8 (the scalar path)
     [(9, 3, 64), (4, 2, 64), (2, 2, 32), (8, 1, 24), (6, 2, 12)],
 )
-def test_the_attention_op_is_softmax_attention_over_past_and_new_tokens(heads, kv_heads, d, dtype):
+@pytest.mark.parametrize("tiles", [True, False])  # several tokens: the tile path, or one by one
+def test_the_attention_op_is_softmax_attention_over_past_and_new_tokens(
+    heads, kv_heads, d, dtype, tiles
+):
+    torch.ops.adaflash.set_attention_tile_tokens(2 if tiles else 1 << 30)
+    try:
+        check_attention(heads, kv_heads, d, dtype)
+    finally:
+        torch.ops.adaflash.set_attention_tile_tokens(2)
+
+
+def check_attention(heads: int, kv_heads: int, d: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(heads * d + kv_heads)
     b_n, t_n, layers, cap = 3, 5, 2, 300
     pool = torch.randn(4, layers, 2, kv_heads, cap, d, generator=g).to(dtype)
@@ -190,6 +201,8 @@ def test_the_attention_op_splits_its_work_over_threads_without_changing_it():
         assert torch.equal(outs[0], outs[1])
         with pytest.raises(RuntimeError, match="at least 1"):
             torch.ops.adaflash.set_attention_split(0)
+        with pytest.raises(RuntimeError, match="at least 2"):
+            torch.ops.adaflash.set_attention_tile_tokens(1)
     finally:
         torch.ops.adaflash.set_attention_split(chosen.attention_split)
         torch.set_num_threads(threads)

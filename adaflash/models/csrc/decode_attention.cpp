@@ -23,6 +23,9 @@
 #endif
 #include <torch/library.h>
 #include <torch/torch.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx_tiles.h"
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -47,6 +50,15 @@ std::atomic<int64_t> parallel_work{1 << 21};
 void set_attention_split(int64_t work) {
   TORCH_CHECK(work >= 1, "attention_split: at least 1");
   parallel_work = work;
+}
+
+// new tokens a request from which calls take the tile path (attend_tokens_avx512) where it is
+// built; set by models/gemv.py (``ADAFLASH_ATTENTION_TILES=0``: never)
+std::atomic<int64_t> tile_tokens{2};
+
+void set_attention_tile_tokens(int64_t tokens) {
+  TORCH_CHECK(tokens >= 2, "attention_tile_tokens: at least 2");
+  tile_tokens = tokens;
 }
 
 // fp32 of a float or of a bf16's bits (the top half of a float's): the loops below read bf16 as
@@ -458,6 +470,37 @@ inline void score_tile(const float* q, int64_t w, const float* kt, int64_t ldk, 
 
 constexpr int TILE_ROWS = 6;
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The same scores through AMX tiles where the library is built with AMX-BF16 (bf16 only): the
+// transposed keys are already the pair-interleaved layout a tile product's second operand takes
+// (16 pairs of d × 16 keys), the queries the first as they lie (16 rows × 32 of d), and one tile
+// product does what 32 vdpbf16ps do. Tiles: 0 scores (16 × 16, fp32), 1 queries, 2 keys.
+inline void configure_score_tiles() {
+  adaflash_amx::TileConfig cfg;
+  for (int t = 0; t < 3; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// s[r·ldk + j] = scale · q_r · key_j for rows r < nr (a multiple of 16: q's rows, d bf16 each)
+// and keys j < ldk; d a multiple of 32
+inline void score_amx(const uint16_t* q, int64_t nr, int64_t d, const float* kt, int64_t ldk,
+                      float scale, float* s) {
+  for (int64_t r = 0; r < nr; r += 16)
+    for (int64_t j0 = 0; j0 < ldk; j0 += 16) {
+      _tile_zero(0);
+      for (int64_t i = 0; i < d; i += 32) {
+        _tile_loadd(1, q + r * d + i, d * 2);
+        _tile_loadd(2, kt + (i / 2) * ldk + j0, ldk * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, s + r * ldk + j0, ldk * 4);
+    }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < nr * ldk; i += 16)
+    _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), sv));
+}
+#endif
+
 // exp_nonpositive on sixteen lanes
 inline __m512 exp16(__m512 x) {
   const __m512 low = _mm512_set1_ps(-87.f);
@@ -535,8 +578,16 @@ void attend_tokens_avx512(const R* qp, const R* kp, const R* vp, const R* pp, S*
   const int64_t grain =
       std::max<int64_t>(1, items * parallel_work.load() / std::max<int64_t>(work, 1));
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const bool amx = P && adaflash_amx::tiles_permitted();
+#else
+  const bool amx = false;
+#endif
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, kt, buf;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) configure_score_tiles();
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t part = item % parts, kvh = (item / parts) % KVH, b = item / (parts * KVH);
       const int64_t r0 = TILE_ROWS * (tiles * part / parts);
@@ -546,8 +597,9 @@ void attend_tokens_avx512(const R* qp, const R* kp, const R* vp, const R* pp, S*
       const R* values = keys + s_kv;
       const R* nk = kp + (b * T * KVH + kvh) * d;
       const R* nv = vp + (b * T * KVH + kvh) * d;
+      const int64_t nr16 = (nr + 15) / 16 * 16;  // AMX tiles take rows 16 at a time
       // its rows' queries (rows past the last: 0): bf16 pairs as they are, floats scaled
-      qf.assign(nr * w, 0.f);
+      qf.assign((amx ? nr16 : nr) * w, 0.f);
       for (int64_t r = r0; r < std::min(r0 + nr, rows); ++r) {
         const R* q = qp + ((b * T + r / group) * H + kvh * group + r % group) * d;
         float* dst = qf.data() + (r - r0) * w;
@@ -556,10 +608,14 @@ void attend_tokens_avx512(const R* qp, const R* kp, const R* vp, const R* pp, S*
       }
       kt.resize(w * ldk);
       transpose_keys(keys, s_pos, n_past, nk, KVH * d, n, w, kt.data(), ldk);
-      buf.resize(nr * ldk + nr * d);
-      float* s = buf.data();     // (nr, ldk) scores, then their exponentials
-      float* o = s + nr * ldk;   // (nr, d) Σ p·V
-      for (int64_t r = 0; r < nr; r += TILE_ROWS) {
+      buf.resize((amx ? nr16 : nr) * ldk + nr * d);
+      float* s = buf.data();                    // (nr, ldk) scores, then their exponentials
+      float* o = s + (amx ? nr16 : nr) * ldk;  // (nr, d) Σ p·V
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (amx)
+        score_amx(reinterpret_cast<const uint16_t*>(qf.data()), nr16, d, kt.data(), ldk, scale, s);
+#endif
+      for (int64_t r = 0; r < nr && !amx; r += TILE_ROWS) {
         const float* q = qf.data() + r * w;
         const float sc = P ? scale : 1.f;
         int64_t c = 0;
@@ -588,6 +644,9 @@ void attend_tokens_avx512(const R* qp, const R* kp, const R* vp, const R* pp, S*
         }
       }
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) _tile_release();
+#endif
   });
 }
 #endif
@@ -643,7 +702,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t s_row = pool.stride(0), s_layer = pool.stride(1), s_kv = pool.stride(2),
                 s_head = pool.stride(3), s_pos = pool.stride(4);
 #if defined(__AVX512F__)
-  if (T > 1 && d % 32 == 0) {  // (bf16 pairs: whole vectors of 16 pairs a key)
+  if (T >= tile_tokens.load() && d % 32 == 0) {  // (bf16 pairs: whole vectors of 16 a key)
     attend_tokens_avx512<S>(qp, kp, vp, pp, op, B, T, H, KVH, d, rows, pos, layer * s_layer,
                             s_row, s_kv, s_head, s_pos);
     return;
@@ -746,8 +805,10 @@ TORCH_LIBRARY_FRAGMENT(adaflash, m) {
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor pool, Tensor rows, int layer, "
       "Tensor pos) -> Tensor");
   m.def("set_attention_split(int work) -> ()");
+  m.def("set_attention_tile_tokens(int tokens) -> ()");
 }
 TORCH_LIBRARY_IMPL(adaflash, CPU, m) { m.impl("decode_attention", &decode_attention); }
 TORCH_LIBRARY_IMPL(adaflash, CompositeExplicitAutograd, m) {
   m.impl("set_attention_split", &set_attention_split);
+  m.impl("set_attention_tile_tokens", &set_attention_tile_tokens);
 }

@@ -13,33 +13,21 @@
 // 64 == 0 (``gemv.amx_fits``); built by adaflash/models/gemv.py where the CPU has AMX-BF16.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "amx_tiles.h"
+
 namespace {
+
+using adaflash_amx::TileConfig;
+using adaflash_amx::tiles_permitted;
 
 constexpr int64_t GROUP = 64;  // weight rows per group: four 16-row tiles
 constexpr int64_t KB = 32;     // K per tile
-
-// Linux gives a process AMX's tile state only when asked (once per process).
-bool tiles_permitted() {
-  static bool ok = [] {
-    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // tiles 0-3: yᵀ accumulators (16 weight rows × m inputs, fp32); 4: the input (16 pairs of K ×
 // m inputs, bf16 pairs); 5-7: weight rows (16 × 32 of K, bf16)
