@@ -31,8 +31,8 @@ from adaflash.engine.policy import (
     PolicyContext,
     batch_gain,
     make_policy,
-    probe_outcome,
     queue_gain,
+    shadow_progress,
 )
 from adaflash.engine.records import NullSink, RecordSink, RequestRecord, RoundRecord
 from adaflash.engine.request import (
@@ -425,14 +425,18 @@ class Engine:
         )
 
     def _answer_probe(self, r: Request) -> None:
-        """Check ``r``'s shadow draft against what it committed since, once that decides it."""
-        outcome = probe_outcome(r)
-        if outcome is None:
+        """Check ``r``'s shadow draft against what it committed since: the slots decided so far
+        join its profile at once (a draft that keeps matching is not left unanswered for the
+        block's 15 steps), the whole answer once decided."""
+        compared, accepted, decided = shadow_progress(r)
+        if not decided:
+            if compared > r.shadow_seen:
+                self._policy.observe_shadow(r, r.shadow_seen, compared, accepted, self.block_size)
+                r.shadow_seen = compared
             return
         r.shadow = None
-        compared, accepted = outcome
         if compared:
-            self._policy.observe_probe(r, compared, accepted, self.block_size)
+            self._policy.observe_probe(r, compared, accepted, self.block_size, r.shadow_seen)
             self.stats.probes += 1
             self.stats.probe_slots += compared
             self.stats.probe_accepted += accepted

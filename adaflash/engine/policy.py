@@ -41,7 +41,10 @@ accepted — exactly under greedy decoding, and in distribution under sampling, 
 drafter proposes with certainty is accepted with the target's probability of that token, the
 probability that the target's own sample is that token (``probe_outcome``). So a probe costs a
 drafter pass and nothing else: the step stays the plain (compiled, batched) one, and the probe
-measures every slot of the block, not a narrow verification's few. The engine keeps the same gap
+measures every slot of the block, not a narrow verification's few; its slots join the profiles
+as the committed tokens decide them (``observe_shadow``), not once the whole block is decided
+(a block that was all right took 15 plain steps to answer, and nothing drafted meanwhile: 48
+tokens of one request with the oracle drafter drafted twice). The engine keeps the same gap
 for the drafter as a whole, and a new request starts from it, so a drafter that keeps failing is
 not probed again by every request that arrives. When nobody drafts, the drafter-wide gap counts
 steps, not a request's rounds (short replies would never reach it): after that many steps
@@ -133,11 +136,26 @@ class Policy:
             ok[i] = DECAY * ok[i] + float(i < accepted)
         r.last_drafted = r.rounds
 
-    def observe_probe(self, r: Request, compared: int, accepted: int, block_size: int) -> None:
+    def observe_probe(
+        self, r: Request, compared: int, accepted: int, block_size: int, seen: int = 0
+    ) -> None:
         """A shadow draft's outcome (``probe_outcome``): ``compared`` draft slots checked
         against the committed tokens, the first ``accepted`` of them right. It says what
-        verifying ``compared`` + 1 tokens would have said: a round of that width."""
-        self.observe(r, compared + 1, accepted, block_size)
+        verifying ``compared`` + 1 tokens would have said: a round of that width. ``seen``: its
+        first slots already observed while it was undecided (``observe_shadow``)."""
+        self.observe_shadow(r, seen, compared, accepted, block_size)
+        r.last_drafted = r.rounds
+
+    def observe_shadow(
+        self, r: Request, first: int, compared: int, accepted: int, block_size: int
+    ) -> None:
+        """Slots ``first`` … of a shadow draft that ``compared`` / ``accepted`` (counted from
+        its first slot) decide: those matched so far were right, each after every slot before
+        it (``reached``, as a round of width ``compared`` + 1)."""
+        seen, ok = profile(r, block_size)
+        for i in reached(compared + 1, accepted)[first:]:
+            seen[i] = DECAY * seen[i] + 1.0
+            ok[i] = DECAY * ok[i] + float(i < accepted)
 
 
 class ArPolicy(Policy):
@@ -219,21 +237,26 @@ class CostPolicy(Policy):
         self.idle_steps = self.probe_gap  # steps since the drafter last ran: probe at once
         self.probe_passes = self.backed_off = 0  # passes with probes; the last that backed off
         # id(request) → the pass its probe went in, its gap then, and what it spent
-        self.launched: dict[int, tuple[int, int, float]] = {}
+        # … and the drafts it was expected to find within each number of slots compared
+        self.launched: dict[int, tuple[int, int, float, list[float]]] = {}
         self.probe_budget_s = PROBE_START_S  # what probes may still spend (docstring)
         # calibration per slot: decayed Σ planned survival and Σ accepted over verified slots
         self.cal_planned = [CAL_WEIGHT] * (self.block_size - 1)
         self.cal_accepted = [CAL_WEIGHT] * (self.block_size - 1)
         self.planned: dict[int, list[float]] = {}  # this step's raw survival per request
 
-    def observe_probe(self, r: Request, compared: int, accepted: int, block_size: int) -> None:
+    def observe_probe(
+        self, r: Request, compared: int, accepted: int, block_size: int, seen: int = 0
+    ) -> None:
         # what it found beyond what the engine-wide profile expected (a draft more, at least)
         # pays back that share of it and halves the drafter-wide gap: a drafter that turned
         # good is probed on until its profile says draft; probes that find no more back off
         # (once per probe pass: a pass of four that found nothing doubles the gap once), and
         # so does the request's own gap while its probes find nothing
-        launched, gap, spent = self.launched.pop(id(r), (0, self.gap(r), 0.0))
-        surprise = accepted - self.expected_accepted(r, compared, block_size)
+        launched, gap, spent, expected = self.launched.pop(id(r), (0, self.gap(r), 0.0, []))
+        if not expected:  # (not launched by ``drafters``: judged against the profile as it is)
+            expected = self.expected_accepted(r, block_size)
+        surprise = accepted - expected[compared - 1]
         if surprise >= 1.0:  # a draft more, at least
             refund = spent * min(surprise / compared, 1.0)
             self.probe_budget_s = min(self.probe_budget_s + refund, PROBE_START_S)
@@ -244,21 +267,34 @@ class CostPolicy(Policy):
                 self.probe_gap = min(2 * self.probe_gap, MAX_PROBE_GAP)
                 self.backed_off = launched
             r.probe_gap = min(2 * gap, MAX_PROBE_GAP)
-        super().observe_probe(r, compared, accepted, block_size)
+        super().observe_probe(r, compared, accepted, block_size, seen)
 
-    def expected_accepted(self, r: Request, compared: int, block_size: int) -> float:
-        """Drafts a probe of ``r`` comparing ``compared`` slots finds by what is known already:
-        ``r``'s own rate for each slot it has been measured at, the engine-wide one for a slot
-        it has not. (Judged against the engine-wide profile alone, the oracle drafter's all-hit
-        probes on a Zen 2 EPYC, where drafting did not pay at 8 requests, stayed "surprising"
-        for ~30 probes — that profile creeps up as n/(n+1) from a = 0 — each refunded and
-        halving the gap: 4.1% of the run went to probes that could not change a plan, 0.97×
-        ``ar``.)"""
+    def observe_shadow(
+        self, r: Request, first: int, compared: int, accepted: int, block_size: int
+    ) -> None:
+        self.state = next(_states)  # profiles change
+        super().observe_shadow(r, first, compared, accepted, block_size)
+        if len(self.seen) != block_size - 1:
+            return
+        for i in reached(compared + 1, accepted)[first:]:
+            self.seen[i] = 0.995 * self.seen[i] + 1.0
+            self.ok[i] = 0.995 * self.ok[i] + float(i < accepted)
+
+    def expected_accepted(self, r: Request, block_size: int) -> list[float]:
+        """Drafts a probe of ``r`` finds within its first 1, 2, … slots compared by what is
+        known already (kept when it is launched, as its slots join the profiles before it is
+        decided): ``r``'s own rate for each slot it has been measured at, the engine-wide one
+        for a slot it has not. (Judged against the engine-wide profile alone, the oracle
+        drafter's all-hit probes on a Zen 2 EPYC, where drafting did not pay at 8 requests,
+        stayed "surprising" for ~30 probes — that profile creeps up as n/(n+1) from a = 0 —
+        each refunded and halving the gap: 4.1% of the run went to probes that could not change
+        a plan, 0.97× ``ar``.)"""
         seen, ok = profile(r, block_size)
-        out, s = 0.0, 1.0
-        for i in range(compared):
+        out, total, s = [], 0.0, 1.0
+        for i in range(block_size - 1):
             s *= ok[i] / seen[i] if seen[i] > 0 else self.engine_rate(i)
-            out += s
+            total += s
+            out.append(total)
         return out
 
     def engine_rate(self, i: int) -> float:
@@ -471,7 +507,8 @@ class CostPolicy(Policy):
             self.probe_passes += 1
         for r, spent in riders:  # its gap counts from now
             r.last_drafted = r.rounds
-            self.launched[id(r)] = (self.probe_passes, self.gap(r), spent)
+            expected = self.expected_accepted(r, ctx.block_size)
+            self.launched[id(r)] = (self.probe_passes, self.gap(r), spent, expected)
         self.probes = probes
         # the drafter's pass, priced now: once it ran, nothing is pending
         passed = chosen + probes
@@ -622,6 +659,14 @@ def probe_outcome(r: Request) -> tuple[int, int] | None:
     compared, drafts accepted) — the drafts that match those tokens up to the first miss are what
     verifying the block would have accepted. None while undecided (no miss yet, the block not
     all matched, the request not finished)."""
+    compared, accepted, decided = shadow_progress(r)
+    return (compared, accepted) if decided else None
+
+
+def shadow_progress(r: Request) -> tuple[int, int, bool]:
+    """A shadow draft's answer so far: (draft slots compared, drafts accepted, decided) — the
+    matches up to the first miss among the tokens ``r`` committed after it; decided at a miss,
+    when the block all matched, or when the request finished."""
     assert r.shadow is not None
     start, drafts = r.shadow  # drafts[i] stands for output_ids[start + i]
     got = r.output_ids[start : start + len(drafts)]
@@ -629,10 +674,8 @@ def probe_outcome(r: Request) -> tuple[int, int] | None:
     while n < len(got) and got[n] == drafts[n]:
         n += 1
     if n < len(got):  # a miss at slot n + 1
-        return n + 1, n
-    if n == len(drafts) or r.finished:
-        return n, n
-    return None
+        return n + 1, n, True
+    return n, n, n == len(drafts) or r.finished
 
 
 def rank_slots(

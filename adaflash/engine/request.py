@@ -187,6 +187,7 @@ class Request:
     # a probe's shadow draft awaiting its answer: (index in output_ids of the token its first
     # draft stands for, the drafts); see policy.probe_outcome
     shadow: tuple[int, list[int]] | None = None
+    shadow_seen: int = 0  # its slots already observed (``Policy.observe_shadow``)
     # the cost policy's survival for it, as of one state of that policy's profiles:
     # (that state's number, raw, calibrated); see CostPolicy.survival
     survival: tuple[int, list[float], list[float]] | None = None

@@ -213,7 +213,7 @@ def draft_plans(
         states = d.drafter.draft_states(block, positions, context)  # (B, k, H)
         mine, shadow = states[: len(spec)], states[len(spec) :]
         for r, row in zip(probes, propose(target, d, probes, shadow, k), strict=True):
-            r.shadow = (len(r.output_ids), row)
+            r.shadow, r.shadow_seen = (len(r.output_ids), row), 0
         plans = {id(r): Plan(r, 1, [], 0, None, catch_up[id(r)], shadow=True) for r in probes}
         if not spec:
             return plans

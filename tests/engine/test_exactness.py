@@ -150,6 +150,37 @@ def test_probes_are_shadow_drafts_answered_by_what_the_target_commits(
     assert any(accepted > 3 for *_, accepted in answers)  # whole runs measured, not 3 slots
 
 
+def test_a_probes_slots_join_the_profile_as_tokens_decide_them(tiny, references):
+    """A probe whose drafts keep matching is not answered only once its whole block is (15
+    plain steps): each slot joins the profile as the committed tokens decide it, so the
+    requests draft a step or two after the first probe, exactly as before."""
+    _, target, _ = tiny
+    cfg = EngineConfig(policy="cost", max_batch_tokens=80, max_prefill_tokens=8)
+    engine = OracleEngine(
+        target,
+        random_drafter(target),
+        cfg,
+        continuation=from_references(references),
+        corrupt_every=10_007,  # (almost) never corrupted: every probe matches its whole block
+    )
+    engine.cost = PinnedCost()
+    steps: list[tuple[int, int]] = []  # per step: (probes launched, requests drafting)
+    drafters = engine._policy.drafters
+
+    def spy(ready, ctx):  # type: ignore[no-untyped-def]
+        chosen = drafters(ready, ctx)
+        steps.append((len(engine._policy.probes), len(chosen)))
+        return chosen
+
+    engine._policy.drafters = spy  # type: ignore[method-assign]
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert list(res.output_ids) == references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
+    first_probe = next(i for i, (probes, _) in enumerate(steps) if probes)
+    first_draft = next(i for i, (_, chosen) in enumerate(steps) if chosen)
+    assert 0 < first_draft - first_probe <= 3, steps[: first_draft + 1]
+
+
 def test_budget_defers_and_chunked_prefill_stay_exact(tiny, references):
     """A verification budget of one block forces deferrals; 3-token prefill chunks force
     chunked prefill. Output is still identical."""
