@@ -248,9 +248,10 @@ class CostPolicy(Policy):
     def observe_probe(
         self, r: Request, compared: int, accepted: int, block_size: int, seen: int = 0
     ) -> None:
-        # what it found beyond what the engine-wide profile expected (a draft more, at least)
-        # pays back that share of it and halves the drafter-wide gap: a drafter that turned
-        # good is probed on until its profile says draft; probes that find no more back off
+        # what it found beyond what was known of its request when launched (a draft more, at
+        # least: ``expected_accepted``) pays back that share of it and halves the drafter-wide
+        # gap: a drafter that turned good is probed on until the profiles know it; probes that
+        # find no more back off
         # (once per probe pass: a pass of four that found nothing doubles the gap once), and
         # so does the request's own gap while its probes find nothing
         launched, gap, spent, expected = self.launched.pop(id(r), (0, self.gap(r), 0.0, []))

@@ -185,7 +185,7 @@ class Request:
     last_drafted: int = 0  # ``rounds`` when it last had drafts verified
     probe_gap: int = 0  # rounds between probes of the cost policy (0: its default)
     # a probe's shadow draft awaiting its answer: (index in output_ids of the token its first
-    # draft stands for, the drafts); see policy.probe_outcome
+    # draft stands for, the drafts); see policy.shadow_progress
     shadow: tuple[int, list[int]] | None = None
     shadow_seen: int = 0  # its slots already observed (``Policy.observe_shadow``)
     # the cost policy's survival for it, as of one state of that policy's profiles:
