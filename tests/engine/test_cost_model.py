@@ -406,10 +406,10 @@ def test_a_good_drafter_that_does_not_pay_is_probed_no_more_than_one_that_finds_
 
 def test_a_probe_pays_back_the_share_of_its_cost_that_its_drafts_found():
     """A probe is paid back by what its drafts found beyond what was known of its request (its
-    own measured slot rates here) (all 7 of 7 where it expected none: all of it; none: nothing), so a drafter that
-    turned good keeps being probed until its profile says draft; such a probe halves the
-    drafter-wide gap rather than resetting it, and one that finds what the profile expected
-    doubles it, so a drafter known to land a token now and then stays rarely probed."""
+    own measured slot rates here: all 7 of 7 where it expected none, all of it; none, nothing),
+    so a drafter that turned good keeps being probed until its profile says draft; such a probe
+    halves the drafter-wide gap rather than resetting it, and one that finds what the profile
+    expected doubles it, so a drafter known to land a token now and then stays rarely probed."""
     k = 8
     ctx = PolicyContext(k, 1.0, plain_cost(), budget=512, other_tokens=0)
     cases = [(0, 0.0, 128, 0), (3, 3 / 7, 32, 0), (7, 1.0, 32, 0), (1, 0.0, 128, 1)]
