@@ -54,7 +54,9 @@ domains, as in a server that has been up for a while (``--cold``: every run star
 by side in one process, one step each in turn, each timed on its own steps (``run_lockstep``):
 a slow phase of a shared machine then lands on every method alike, step by step; the peers
 (``hf``, ``llamacpp``) run on their own before or after that block, in rotated order, and the
-oracles' answer key comes from an untimed ``ar`` run of the cell first. ``--sequential``: each
+oracles' answer key comes from an untimed ``ar`` run of the cell first; where an oracle's output
+leaves it (bf16 near-ties), its continuation is recomputed between steps, untimed
+(``ReferenceEngine``; a row's ``resyncs`` counts them). ``--sequential``: each
 method's run on its own, interleaved instead (rep 1: ar, hf, head, cost, …; rep 2: the same
 order rotated, …), as the runs before 2026-12-03 were. A row keeps the median, min and max
 tokens/s; ``speedup`` = median ÷ median ``ar`` of the cell, and ``speedup_min``/``speedup_max``
@@ -91,7 +93,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -138,12 +140,53 @@ Refs = dict[tuple[int, ...], list[int]]  # prompt → the target's greedy contin
 Key = tuple[str | None, str]  # (drafter, method) of the policy study; ar/hf have no drafter
 
 
-class OracleLengthEngine(Engine):
-    """k̂ = accepted + 1 exactly: the best any length policy can do (needs the answer key)."""
+class ReferenceEngine(Engine):
+    """An engine whose policy or drafts read the target's greedy continuation of each request
+    (``references``, keyed by prompt), kept true to the run between steps by ``resync``.
 
-    def __init__(self, *args, references: dict[tuple[int, ...], list[int]], **kw) -> None:  # type: ignore[no-untyped-def]
+    In bf16 the engine's own passes (a batch-8 verification, a batch-1 compiled step) can round
+    a near-tie differently from the pass that computed the reference; a request's output then
+    leaves it, and an oracle that went on reading it would be right no more (session 42: in 3 of
+    4 AMX cells, 4–6 of 8 outputs left it, and the oracle rows said nothing of a ceiling).
+    ``resync`` finds such requests and recomputes their continuation from their own output so
+    far (plain decoding, untimed: callers run it outside the steps they time)."""
+
+    def __init__(self, *args: Any, references: Refs, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self.references = references
+        self.references = dict(references)  # this engine's own copy: resync rewrites it
+        self.resyncs = 0  # continuations recomputed
+        self._plain: Engine | None = None
+
+    def continuation(self, r: Request) -> list[int]:
+        """The reference's tokens past ``r``'s output so far."""
+        return self.references.get(tuple(r.prompt_ids), [])[len(r.output_ids) :]
+
+    def resync(self) -> int:
+        """Recompute the continuation of each running request whose output left its
+        reference; returns how many."""
+        stale = [
+            r
+            for r in self.running
+            if self.references.get(tuple(r.prompt_ids), [])[: len(r.output_ids)] != r.output_ids
+        ]
+        if not stale:
+            return 0
+        if self._plain is None:
+            cfg = EngineConfig(policy="ar", max_running_requests=16)
+            self._plain = Engine(self.target, None, cfg, eos_token_ids=tuple(self.eos))
+        params = [
+            replace(r.params, max_new_tokens=r.params.max_new_tokens - len(r.output_ids))
+            for r in stale
+        ]
+        recs = self._plain.generate([r.prompt_ids + r.output_ids for r in stale], params)
+        for r, rec in zip(stale, recs, strict=True):
+            self.references[tuple(r.prompt_ids)] = r.output_ids + list(rec.output_ids)
+        self.resyncs += len(stale)
+        return len(stale)
+
+
+class OracleLengthEngine(ReferenceEngine):
+    """k̂ = accepted + 1 exactly: the best any length policy can do (needs the answer key)."""
 
     def _propose(self):  # type: ignore[no-untyped-def]
         def propose(reqs, states, k_hat):  # type: ignore[no-untyped-def]
@@ -151,7 +194,7 @@ class OracleLengthEngine(Engine):
             drafts = draft_tokens(self.target, self.drafter, states, int(k_hat.max()) - 1)
             k_hat = k_hat.clone()
             for i, (r, row) in enumerate(zip(reqs, drafts, strict=True)):
-                ref = self.references.get(tuple(r.prompt_ids), [])[len(r.output_ids) :]
+                ref = self.continuation(r)
                 n = 0
                 while n < len(row) and n < len(ref) and row[n] == ref[n]:
                     n += 1
@@ -161,17 +204,13 @@ class OracleLengthEngine(Engine):
         return propose
 
 
-class OracleDrafterEngine(Engine):
-    """Drafts are the target's greedy continuation (``references``), widths the policy's k̂.
+class OracleDrafterEngine(ReferenceEngine):
+    """Drafts are the target's greedy continuation (``continuation``), widths the policy's k̂.
 
     The real drafter still runs and scores its draft vocabulary (its output is discarded), so a
     step costs what it would with a drafter that is always right. A request whose output left
-    the reference (a bf16 near-tie) drafts from the misaligned reference and is mostly rejected.
-    """
-
-    def __init__(self, *args: Any, references: Refs, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.references = references
+    its reference drafts wrong until the next ``resync`` (one step, where its caller resyncs
+    between steps), as a drafter that is nearly always right would."""
 
     def _propose(self) -> Propose:
         def propose(
@@ -182,8 +221,7 @@ class OracleDrafterEngine(Engine):
             draft_tokens(self.target, self.drafter, states, width)  # the drafter's cost
             drafts = []
             for r in reqs:
-                ref = self.references.get(tuple(r.prompt_ids), [])
-                row = ref[len(r.output_ids) : len(r.output_ids) + width]
+                row = self.continuation(r)[:width]
                 drafts.append(row + [0] * (width - len(row)))  # past its end: rejected
             return drafts, k_hat
 
@@ -208,9 +246,8 @@ class Setup:
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
-    t0 = time.perf_counter()
-    recs = engine.generate(prompts, params)
-    return engine_result(engine, prompts, recs, time.perf_counter() - t0)
+    """One engine's run alone, timed on its own steps (``run_lockstep`` with one engine)."""
+    return run_lockstep({(None, ""): engine}, prompts, params)[(None, "")]
 
 
 LOCKSTEP_SEED = 0  # the engines' order in each turn of ``run_lockstep``
@@ -242,6 +279,8 @@ def run_lockstep(
     while live:
         for key in order.sample(live, len(live)):
             e = engines[key]
+            if isinstance(e, ReferenceEngine):  # untimed: its answer key kept true (class doc)
+                e.resync()
             prof = None if profiles is None else profiles.setdefault(key, cProfile.Profile())
             t0 = time.perf_counter()
             if prof is not None:
@@ -290,6 +329,7 @@ def engine_result(
             "whole": (st.whole_steps, st.whole_planned, st.whole_gained),
         },
         "_outputs": {tuple(p): list(r.output_ids) for p, r in zip(prompts, recs, strict=True)},
+        **({"_resyncs": engine.resyncs} if isinstance(engine, ReferenceEngine) else {}),
     }
 
 
@@ -455,6 +495,7 @@ def paper_domain(
             outs = r.pop("_outputs", None)
             r.pop("_pricing", None)
             r.pop("_timing", None)
+            resyncs = r.pop("_resyncs", None)  # the length oracle's answer key recomputed
             row = {
                 "domain": domain,
                 "concurrency": c,
@@ -464,6 +505,8 @@ def paper_domain(
             }
             if outs is not None:  # lossless check (bf16 may flip a near-tie now and then)
                 row["identical_to_ar"] = sum(outs[k] == ar_outs[k] for k in ar_outs)
+            if resyncs is not None:
+                row["resyncs"] = resyncs
             rows.append(row)
             print(
                 f"{domain:<6} C={c:<3} {m:<9} {row['tokens_per_s']:7.1f} tok/s "
@@ -559,7 +602,8 @@ def policy_cell(
 
     The oracles' answer key is the cell's own ``ar`` output: in bf16 a batch-16 eager reference
     and a batch-1 compiled step can round a near-tie differently, and an oracle drafter that
-    follows a continuation the target no longer produces stops being an oracle."""
+    follows a continuation the target no longer produces stops being an oracle (the rest such
+    drift leaves, each oracle engine mends between steps: ``ReferenceEngine``)."""
     plan = policy_plan(
         list(drafters),
         with_hf=not s.args.no_hf,
@@ -670,6 +714,8 @@ def policy_rows(domain: str, c: int, runs: dict[Key, list[dict]]) -> list[dict]:
         outs = reps[0].get("_outputs")
         if outs is not None and ar_outs is not None:  # lossless check (bf16 near-ties aside)
             row["identical_to_ar"] = sum(outs[k] == ar_outs[k] for k in ar_outs)
+        if "_resyncs" in reps[0]:  # its answer key recomputed, Σ over the repeats (ReferenceEngine)
+            row["resyncs"] = sum(r["_resyncs"] for r in reps)
         rows.append(row)
     return rows
 

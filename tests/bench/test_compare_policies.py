@@ -235,6 +235,40 @@ def test_lockstep_serves_each_engine_its_prompts_and_times_only_its_own_steps(
     assert seconds[("random", "fixed")] < 0.1 * 12  # none of the other's sleeps
 
 
+@pytest.mark.parametrize("engine", ["OracleDrafterEngine", "OracleLengthEngine"])
+def test_an_oracle_whose_answer_key_went_wrong_resyncs_and_stays_an_oracle(
+    compare: ModuleType, tmp_path, engine: str
+) -> None:
+    """An oracle reads the target's continuation; where the output leaves it (in bf16 a near-tie
+    rounded differently by another pass; here an answer key spoiled on purpose from its fourth
+    token on), the lockstep recomputes it from the output so far between steps, untimed, and the
+    oracle drafts right again: the rest verifies whole blocks (without the resync, every draft
+    past the spoiled token is wrong: τ 1.95 against 11.1 with it)."""
+    from adaflash.config import EngineConfig, SamplingParams
+    from adaflash.engine.engine import Engine
+    from adaflash.models.target import load_target
+    from tests.engine.conftest import random_drafter
+    from tests.tiny import build_checkpoint
+
+    target = load_target(build_checkpoint(tmp_path, "llama", seed=11, layers=6), "float32")
+    prompts = [[5, 6, 7], [10, 11, 12, 13]]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    alone = Engine(target, None, EngineConfig(policy="ar")).generate(prompts, params)
+    want = {tuple(p): list(a.output_ids) for p, a in zip(prompts, alone, strict=True)}
+    spoiled = dict(want)
+    key = tuple(prompts[1])
+    spoiled[key] = want[key][:3] + [(t + 1) % 50 for t in want[key][3:]]
+    cls = getattr(compare, engine)
+    oracle = cls(target, random_drafter(target), EngineConfig(policy="fixed"), references=spoiled)
+    run = compare.run_lockstep({("oracle", "fixed"): oracle}, prompts, params)[("oracle", "fixed")]
+    assert run["_outputs"] == want  # lossless whatever the answer key says
+    assert run["_resyncs"] == oracle.resyncs == 1  # the spoiled one, once (fp32: then exact)
+    assert oracle.references[key] == want[key]
+    if engine == "OracleDrafterEngine":  # (the length oracle's drafts are the random drafter's)
+        # 80 tokens: 2 from prefill, 3 from the spoiled round, the rest in blocks of 17 or the end
+        assert run["accept_len"] >= 8.0, run["accept_len"]
+
+
 def test_repeats_rotate_the_order_and_the_first_keeps_ar_first(compare: ModuleType) -> None:
     plan = compare.policy_plan(["shipped", "weak", "oracle"], with_hf=False)
     orders = [compare.rotated(plan, rep, 3) for rep in range(3)]
