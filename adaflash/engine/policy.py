@@ -206,20 +206,6 @@ def reached(verify_len: int, accepted: int) -> range:
     return range(min(verify_len - 1, accepted + 1))
 
 
-def width_caps(ctx: PolicyContext, requests: int) -> tuple[int | None, ...]:
-    """The widths a plan of ``requests`` is also made under, besides none (None): those of the
-    compiled batched verifications that hold them. ``plan`` adds slots greedily by survival,
-    and one request whose profile fell behind the others' gets its slots only after they have
-    passed a graph's width, so its best prefix either leaves it plain or runs the pass eager,
-    never "everyone at 4 tokens, compiled" (session 42: an oracle at C = 8 priced the eager
-    batch at 296 tok/s against a plain step's 345 and stopped drafting, where the compiled
-    width-4 batch had run at 650–870)."""
-    if requests < 2:
-        return (None,)  # one request's passes: a compiled graph at every width
-    widths = sorted({w for b, w in ctx.cost.verify_graphs if b >= requests})
-    return (None, *widths)
-
-
 def profile(r: Request, block_size: int) -> tuple[list[float], list[float]]:
     if len(r.slot_seen) != block_size - 1:
         r.slot_seen, r.slot_ok = [0.0] * (block_size - 1), [0.0] * (block_size - 1)
@@ -237,7 +223,6 @@ class CostPolicy(Policy):
         self.draft_s = 0.0  # this step's drafter pass as planned
         self.freed = 1.0  # this step's ``freed_value``
         self.whole_least: float | None = None
-        self.cap: int | None = None  # this step's widest request as planned (``width_caps``)
         self.reset()
 
     def reset(self) -> None:
@@ -379,14 +364,13 @@ class CostPolicy(Policy):
         ranked: list[tuple[float, int, int]] | None = None,
         target_s: dict[tuple[int, tuple[int, int] | None], float] | None = None,
         charge: dict[int, float] | None = None,
-        cap: int | None = None,
     ) -> tuple[float, dict[int, int]]:
         """Best expected rate (tokens/s) and widths when ``reqs`` draft (``plain`` others
-        take a plain step): greedy slots by survival (0 and widths of 1: no slot worth one),
-        none past width ``cap``. ``ranked`` (every candidate slot of a superset of ``reqs``, by
-        survival), ``target_s`` (pass seconds by token count and the compiled graph that runs
-        it, this step's request count) and ``charge`` (each request's ``charged`` context) let
-        ``drafters`` plan many subsets for the price of one sort."""
+        take a plain step): greedy slots by survival (0 and widths of 1: no slot worth one).
+        ``ranked`` (every candidate slot of a superset of ``reqs``, by survival), ``target_s``
+        (pass seconds by token count and the compiled graph that runs it, this step's request
+        count) and ``charge`` (each request's ``charged`` context) let ``drafters`` plan many
+        subsets for the price of one sort."""
         k = ctx.block_size
         surv = survival or {id(r): self.survival(r, k) for r in reqs}
         if charge is None:
@@ -425,8 +409,6 @@ class CostPolicy(Policy):
         for s, rid, w in ranked:  # each request's slots come in order: survival decreases
             if widths.get(rid) != w - 1:  # not in this subset, or an earlier slot was not taken
                 continue
-            if cap is not None and w > cap:
-                continue
             if n_tok + 1 > limit:
                 break
             widths[rid] = w
@@ -452,7 +434,7 @@ class CostPolicy(Policy):
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
         self.predicted_s = self.expected_tokens = None  # prefills only: nothing planned
-        self.whole_least = self.cap = None
+        self.whole_least = None
         self.probes = []
         if not ready:
             return []
@@ -474,7 +456,6 @@ class CostPolicy(Policy):
             len(ready) + ctx.other_tokens + 1, len(ready), max(2, ctx.other_widest)
         )
         least_pass = min(plain_s, narrowest)
-        caps = width_caps(ctx, len(ready))
         best_n, best_rate = 0, plain_rate
         tokens, pending = float(len(ready)), 0.0
         for n, r in enumerate(order, 1):
@@ -493,12 +474,9 @@ class CostPolicy(Policy):
                 continue
             if ranked is None:
                 ranked = rank_slots(ready, surv)
-            for cap in caps:
-                rate, _ = self.plan(
-                    order[:n], ctx, len(ready) - n, surv, ranked, seconds, charge, cap
-                )
-                if rate > best_rate:
-                    best_n, best_rate, self.cap = n, rate, cap
+            rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds, charge)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
         if best_n and not ctx.other_tokens and ctx.cost.plain_stale(ctx.requests or len(ready)):
             # drafting would pay by the estimates, but the compiled plain step it beats was
             # never timed at this batch size or not lately: this step is that plain step (a
@@ -572,7 +550,7 @@ class CostPolicy(Policy):
         k = ctx.block_size
         raw = {id(r): self.survival(r, k, calibrated=False) for r in spec}
         surv = {id(r): self.survival(r, k) for r in spec}
-        _, widths = self.plan(spec, ctx, ctx.plain_requests, surv, cap=self.cap)
+        _, widths = self.plan(spec, ctx, ctx.plain_requests, surv)
         chosen = [widths[id(r)] for r in spec]
         drafts = [sum(surv[id(r)][: w - 1]) for r, w in zip(spec, chosen, strict=True)]
         whole = not ctx.plain_requests and alone(ctx) and self.freed < 1.0 and max(chosen) > 1

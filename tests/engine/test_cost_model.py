@@ -609,30 +609,6 @@ def test_the_cost_policy_drafts_at_several_requests_where_the_batched_graph_make
     assert abs(policy.predicted_s - (policy.draft_s + 0.024)) < 1e-9
 
 
-@pytest.mark.parametrize("behind", [0.45, 0.3])
-def test_a_request_behind_the_others_does_not_keep_the_batch_off_its_compiled_width(
-    behind: float,
-) -> None:
-    """Seven requests accepted 80% of the time and one ``behind`` (45% or 30%): slot by slot
-    by survival, the one behind gets its first slot only after the others passed width 4, where
-    the pass leaves its compiled graph; a plan capped at the graph's width finds all eight at 4
-    tokens, compiled (without the cap: no drafting at all)."""
-    cost, policy, reqs = drafting_eight(0.024)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(40):
-        policy.observe(
-            reqs[-1], 16, int((torch.rand(15, generator=g) < behind).cumprod(0).sum()), 16
-        )
-    ctx = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
-    assert policy_module.width_caps(ctx, 8) == (None, 4)
-    chosen = policy.drafters(reqs, ctx)
-    assert len(chosen) == 8 and policy.cap == 4
-    assert policy.widths(chosen, None, ctx).tolist() == [4] * 8
-    assert policy.expected_tokens is not None and policy.expected_tokens > 20  # plain: 8
-    assert policy_module.width_caps(replace(ctx, cost=CostModel()), 8) == (None,)  # no graphs
-    assert policy_module.width_caps(ctx, 1) == (None,)  # one request: every width compiled
-
-
 def test_a_drafted_token_is_worth_what_finishing_sooner_frees():
     """With a request queued, or alone, a token that finishes a request sooner is worth a full
     token; else what one request fewer saves of the plain step, per request's share: nothing
