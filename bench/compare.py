@@ -602,8 +602,8 @@ def policy_cell(
 
     The oracles' answer key is the cell's own ``ar`` output: in bf16 a batch-16 eager reference
     and a batch-1 compiled step can round a near-tie differently, and an oracle drafter that
-    follows a continuation the target no longer produces stops being an oracle (the rest such
-    drift leaves, each oracle engine mends between steps: ``ReferenceEngine``)."""
+    follows a continuation the target no longer produces stops being an oracle (the drift that
+    remains, each oracle engine mends between steps: ``ReferenceEngine``)."""
     plan = policy_plan(
         list(drafters),
         with_hf=not s.args.no_hf,
