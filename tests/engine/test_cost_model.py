@@ -220,10 +220,13 @@ def test_the_drafters_bound_skips_only_plans_that_cannot_win(monkeypatch):
     for r in reqs:
         for _ in range(30):
             policy.observe(r, k, 0, k)
-    planned = []
+    planned, charged = [], []
     monkeypatch.setattr(CostPolicy, "plan", lambda *a, **kw: planned.append(1) or (0.0, {}))
+    real_charged = policy_module.charged
+    monkeypatch.setattr(policy_module, "charged", lambda *a: charged.append(1) or real_charged(*a))
     ctx = PolicyContext(k, 1.0, plain_cost(), budget=256, other_tokens=0)
     assert policy.drafters(reqs, ctx) == [] and planned == []
+    assert charged == []  # … all subsets at once: not even a request's context is charged
 
 
 def test_drafter_cost_learns_context_catch_up_and_the_policy_prices_it():
