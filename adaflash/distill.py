@@ -220,8 +220,8 @@ def replay(
         states = block_states(drafter, target, seq, anchors)
         _, recorded, valid = slot_targets(seq, anchors, k)
         flat = states[:, 1:].reshape(-1, states.shape[-1]).contiguous()
-        best = drafter.draft_logits(flat, target.lm_head.weight.to(states.device)).argmax(-1)
-        drafts = drafter.to_target_ids(best).view(recorded.shape).cpu()
+        weight = target.lm_head.weight.to(states.device)
+        drafts = drafter.argmax_drafts(flat, weight).view(recorded.shape).cpu()
         accepted = accepted_drafts(drafts, recorded, valid)
         for acc, n_valid in zip(accepted.tolist(), valid.sum(1).tolist(), strict=True):
             counters.add_round(verify_len=n_valid + 1, accepted=acc, drafted=k - 1)

@@ -157,18 +157,18 @@ class ReferenceEngine(Engine):
         self.resyncs = 0  # continuations recomputed
         self._plain: Engine | None = None
 
+    def reference(self, r: Request) -> list[int]:
+        """The target's greedy continuation of ``r``'s prompt, as last computed."""
+        return self.references.get(tuple(r.prompt_ids), [])
+
     def continuation(self, r: Request) -> list[int]:
         """The reference's tokens past ``r``'s output so far."""
-        return self.references.get(tuple(r.prompt_ids), [])[len(r.output_ids) :]
+        return self.reference(r)[len(r.output_ids) :]
 
     def resync(self) -> int:
         """Recompute the continuation of each running request whose output left its
         reference; returns how many."""
-        stale = [
-            r
-            for r in self.running
-            if self.references.get(tuple(r.prompt_ids), [])[: len(r.output_ids)] != r.output_ids
-        ]
+        stale = [r for r in self.running if self.reference(r)[: len(r.output_ids)] != r.output_ids]
         if not stale:
             return 0
         if self._plain is None:

@@ -130,10 +130,7 @@ class Policy:
         """A verified round's outcome (every policy keeps the per-request profile current)."""
         if verify_len < 2:
             return
-        seen, ok = profile(r, block_size)
-        for i in reached(verify_len, accepted):
-            seen[i] = DECAY * seen[i] + 1.0
-            ok[i] = DECAY * ok[i] + float(i < accepted)
+        count_slots(*profile(r, block_size), reached(verify_len, accepted), accepted, DECAY)
         r.last_drafted = r.rounds
 
     def observe_probe(
@@ -152,10 +149,8 @@ class Policy:
         """Slots ``first`` … of a shadow draft that ``compared`` / ``accepted`` (counted from
         its first slot) decide: those matched so far were right, each after every slot before
         it (``reached``, as a round of width ``compared`` + 1)."""
-        seen, ok = profile(r, block_size)
-        for i in reached(compared + 1, accepted)[first:]:
-            seen[i] = DECAY * seen[i] + 1.0
-            ok[i] = DECAY * ok[i] + float(i < accepted)
+        slots = reached(compared + 1, accepted)[first:]
+        count_slots(*profile(r, block_size), slots, accepted, DECAY)
 
 
 class ArPolicy(Policy):
@@ -177,6 +172,7 @@ class HeadPolicy(Policy):
 
 
 DECAY = 0.9  # per verified round: a request's profile follows its last ~10 rounds
+ENGINE_DECAY = 0.995  # … and the engine-wide profile its last ~200
 MAX_PROBE_GAP = 256  # rounds: a request whose probes keep failing is probed this rarely
 PRIOR_WEIGHT = 1.0  # rounds' worth of the engine-wide profile mixed into each request's
 START = (0.0, 1.0)  # engine-wide (accepted, verified) per slot before any round: a = 0, weak
@@ -204,6 +200,16 @@ def reached(verify_len: int, accepted: int) -> range:
     each accepted 70% of the time after the last were planned with survival 0.7, 0.34, 0.12
     instead of 0.7, 0.49, 0.34.)"""
     return range(min(verify_len - 1, accepted + 1))
+
+
+def count_slots(
+    seen: list[float], ok: list[float], slots: range, accepted: int, decay: float
+) -> None:
+    """One more measurement of each of ``slots`` in a profile (``seen``/``ok`` per slot,
+    decayed by ``decay``): right where it is among the first ``accepted``."""
+    for i in slots:
+        seen[i] = decay * seen[i] + 1.0
+        ok[i] = decay * ok[i] + float(i < accepted)
 
 
 def profile(r: Request, block_size: int) -> tuple[list[float], list[float]]:
@@ -277,9 +283,8 @@ class CostPolicy(Policy):
         super().observe_shadow(r, first, compared, accepted, block_size)
         if len(self.seen) != block_size - 1:
             return
-        for i in reached(compared + 1, accepted)[first:]:
-            self.seen[i] = 0.995 * self.seen[i] + 1.0
-            self.ok[i] = 0.995 * self.ok[i] + float(i < accepted)
+        slots = reached(compared + 1, accepted)[first:]
+        count_slots(self.seen, self.ok, slots, accepted, ENGINE_DECAY)
 
     def expected_accepted(self, r: Request, block_size: int) -> list[float]:
         """Drafts a probe of ``r`` finds within its first 1, 2, … slots compared by what is
@@ -317,9 +322,7 @@ class CostPolicy(Policy):
         if len(self.seen) != block_size - 1:
             self.block_size = block_size
             self.reset()
-        for i in reached(verify_len, accepted):
-            self.seen[i] = 0.995 * self.seen[i] + 1.0
-            self.ok[i] = 0.995 * self.ok[i] + float(i < accepted)
+        count_slots(self.seen, self.ok, reached(verify_len, accepted), accepted, ENGINE_DECAY)
 
     def survival(self, r: Request, block_size: int, calibrated: bool = True) -> list[float]:
         """Π_{j≤i} a_j for slots i = 1 … k−1 of this request; ``calibrated``: as planned
@@ -456,15 +459,20 @@ class CostPolicy(Policy):
         )
         least_pass = min(plain_s, narrowest)
         best_n, best_rate = 0, plain_rate
+
+        def most_worth(tokens: float, every: bool) -> float:
+            """At most what a plan with ``tokens`` expected is worth (``drafts_worth``: where
+            ``every`` request drafts, nobody queued, as if the least gained the average)."""
+            least = (tokens - len(ready)) / len(ready) * ctx.cost.whole_yield if every else 0.0
+            return drafts_worth(len(ready), tokens, self.freed, least)
+
         # the bound below for every subset at once: all requests' expected tokens over the
         # cheapest drafting step there is (one request's drafter pass, nothing to catch up; the
         # fit's parts are ≥ 0) — where even that loses, no subset is looked at (a drafter that
         # does not pay, most steps: weak drafter, blend at C = 16, Zen 5, this call took 284 µs
         # a step under bench/profile_study.py's cProfile before, 145 after)
-        everything = len(ready) + sum(gain.values())
-        most = (everything - len(ready)) / len(ready) * ctx.cost.whole_yield if alone(ctx) else 0.0
-        ceiling = drafts_worth(len(ready), everything, self.freed, most)
-        best_any = ctx.cost.drafting_value * ceiling / (ctx.cost.drafter_s(1) + least_pass)
+        everything = most_worth(len(ready) + sum(gain.values()), alone(ctx))
+        best_any = ctx.cost.drafting_value * everything / (ctx.cost.drafter_s(1) + least_pass)
         candidates = [] if best_any <= best_rate else order
         charge = {id(r): charged(r, ctx, gain[id(r)]) for r in candidates}  # context, per step
         tokens, pending = float(len(ready)), 0.0
@@ -475,10 +483,7 @@ class CostPolicy(Policy):
             # they could take do not (a drafter that does not pay: no plan at all, which was
             # most of this policy's time per step)
             # (with all drafting, at most all of it: as if the least gained the average)
-            every = n == len(ready) and alone(ctx)
-            least = (tokens - len(ready)) / len(ready) if every else 0.0
-            least *= ctx.cost.whole_yield
-            worth = drafts_worth(len(ready), tokens, self.freed, least)
+            worth = most_worth(tokens, n == len(ready) and alone(ctx))
             step_s = ctx.cost.drafter_s(n, pending) + least_pass
             if ctx.cost.drafting_value * worth / step_s <= best_rate:
                 continue

@@ -235,6 +235,14 @@ class DFlashDrafter(nn.Module):
             return linear(states.to(head.dtype), head, None, packed)
         return states.to(head.dtype) @ head.T
 
+    def argmax_drafts(self, states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Block states (N, H) → each row's draft: the target id of its best draft-vocabulary
+        logit (N,). The argmax runs in float32: torch's bf16 argmax is a slow path (8 × 7 rows of
+        a 16,384-row draft vocabulary, Zen 5: 1.71 ms against 0.31 with the copy, ~20% of a
+        batch-8 drafter pass); the widening is exact, so the index is the same, first of ties
+        included."""
+        return self.to_target_ids(self.draft_logits(states, lm_head_weight).float().argmax(-1))
+
     def to_target_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices → target token ids (identity without a draft vocabulary)."""
         if self.draft_vocab is None:
