@@ -419,8 +419,11 @@ class CostModel:
         a cold model then drafted at 8 requests with nothing surviving (weak drafter, math:
         0.91× ``ar``, every drafting step an eager pass at twice the compiled plain one)."""
         if requests > 1 and tokens == requests:
+            key = self.plain_key(requests)
+            if key in self.plain:  # (measured: no line to compute, most calls)
+                return self.plain[key]
             line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
-            return between(self.plain, self.plain_key(requests), line)
+            return between(self.plain, key, line)
         vkey = self.verify_key(requests, widest)
         if vkey is not None:  # compiled: measured, else (optimistic) its plain pass (docstring)
             return self.verify.get(vkey) or self.target_s(requests, requests)
