@@ -229,6 +229,29 @@ def test_the_drafters_bound_skips_only_plans_that_cannot_win(monkeypatch):
     assert charged == []  # … all subsets at once: not even a request's context is charged
 
 
+def test_a_declined_plan_stands_while_nothing_it_was_made_from_changes(monkeypatch):
+    """A drafter that looks good where drafting does not pay: its subsets are planned once, and
+    the plain step stands for the next ``REPLAN_EVERY`` − 1 steps while the profiles, the
+    requests and the pass stay as they were; a profile that changes is planned again at once."""
+    monkeypatch.setattr(policy_module, "PROBE_START_S", 0.0)  # no probes: the plans alone
+    k = 16
+    cost, policy, reqs = drafting_eight(0.060)  # 80% a slot, but width 4 costs 3 plain steps
+    real_plan, planned = CostPolicy.plan, []
+    monkeypatch.setattr(
+        CostPolicy, "plan", lambda *a, **kw: planned.append(1) or real_plan(*a, **kw)
+    )
+    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
+    assert policy.drafters(reqs, ctx) == [] and policy.declined is not None
+    per_step = len(planned)  # the plans of one decision
+    assert per_step >= 1
+    for _ in range(3 * policy_module.REPLAN_EVERY - 1):
+        assert policy.drafters(reqs, ctx) == []
+    assert len(planned) == 3 * per_step
+    policy.observe(reqs[0], k, 0, k)  # a profile changed: planned again at once
+    policy.drafters(reqs, ctx)
+    assert len(planned) == 4 * per_step
+
+
 def test_drafter_cost_learns_context_catch_up_and_the_policy_prices_it():
     cost = CostModel()
     g = torch.Generator().manual_seed(1)
