@@ -20,7 +20,8 @@ more verified token; so slots are added greedily by survival, and the step's rat
 for every prefix. Who drafts is chosen the same way, comparing the best rate with each number of
 drafting requests against the plain step; a number whose expected tokens, every slot counted,
 over its cheapest possible step cannot beat the best so far is not planned at all (so a drafter
-that does not pay costs the policy a few microseconds a step, not a plan per subset). A request
+that does not pay costs the policy a few microseconds a step, not a plan per subset; and plans
+that lost stand for ``REPLAN_EVERY`` steps while nothing they were made from changed). A request
 that has not drafted lately brings its drafter pass a backlog of context to catch up: a plan
 charges it the share of the tokens the request has left that this step would commit
 (``charged``), since once caught up it drafts on without it; the step's predicted price keeps
@@ -187,10 +188,10 @@ PROBE_SHARE = 0.005
 # to 5.6% of a cold 20-second study cell; 0.06 s, three lone passes at C = 8, ~0.6%)
 PROBE_START_S = 0.02
 PROBE_REQUESTS = 4  # a pass of probes alone takes up to this many requests, cheapest first
-# steps a declined plan stands while nothing it was planned from changed (the profiles, the
-# requests ready, prompt chunks and queue): a drafter that looks good where drafting does not pay
-# had every subset planned every step (the oracle drafter at C = 16 on chat, Zen 5: ~0.5 ms of a
-# 14 ms step, 0.95× ``ar``)
+# steps a declined plan stands while nothing it was planned from changed (the profiles, how
+# many requests are ready, prompt chunks and queue): a drafter that looks good where drafting
+# does not pay had every subset planned every step (the oracle drafter at C = 16 on chat, Zen 5:
+# ~0.5 ms of a 14 ms step, 0.95× ``ar``)
 REPLAN_EVERY = 8
 CATCH_UP_HORIZON = 128  # tokens at most over which a plan spreads a request's context backlog
 _states = itertools.count(1)  # numbers the cost policies' profile states, process-wide
