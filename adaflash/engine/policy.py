@@ -20,8 +20,9 @@ more verified token; so slots are added greedily by survival, and the step's rat
 for every prefix. Who drafts is chosen the same way, comparing the best rate with each number of
 drafting requests against the plain step; a number whose expected tokens, every slot counted,
 over its cheapest possible step cannot beat the best so far is not planned at all (so a drafter
-that does not pay costs the policy a few microseconds a step, not a plan per subset; and plans
-that lost stand for ``REPLAN_EVERY`` steps while nothing they were made from changed). A request
+that does not pay costs the policy a few microseconds a step, not a plan per subset; and a
+plain step that won — plans lost, or none could win — stands for ``REPLAN_EVERY`` steps while
+nothing it was decided from changed, nobody's expectations looked at). A request
 that has not drafted lately brings its drafter pass a backlog of context to catch up: a plan
 charges it the share of the tokens the request has left that this step would commit
 (``charged``), since once caught up it drafts on without it; the step's predicted price keeps
@@ -188,10 +189,12 @@ PROBE_SHARE = 0.005
 # to 5.6% of a cold 20-second study cell; 0.06 s, three lone passes at C = 8, ~0.6%)
 PROBE_START_S = 0.02
 PROBE_REQUESTS = 4  # a pass of probes alone takes up to this many requests, cheapest first
-# steps a declined plan stands while nothing it was planned from changed (the profiles, how
-# many requests are ready, prompt chunks and queue): a drafter that looks good where drafting
+# steps a plain step that won stands while nothing it was decided from changed (the profiles,
+# how many requests are ready, prompt chunks and queue): a drafter that looks good where drafting
 # does not pay had every subset planned every step (the oracle drafter at C = 16 on chat, Zen 5:
-# ~0.5 ms of a 14 ms step, 0.95× ``ar``)
+# ~0.5 ms of a 14 ms step, 0.95× ``ar``); one that does not pay had every request's expectations
+# sorted and bounded (shipped drafter, chat at C = 8 in the study's process, Zen 3: the round's
+# draft part 100 → 30 µs a plain step, median)
 REPLAN_EVERY = 8
 CATCH_UP_HORIZON = 128  # tokens at most over which a plan spreads a request's context backlog
 _states = itertools.count(1)  # numbers the cost policies' profile states, process-wide
@@ -235,7 +238,7 @@ class CostPolicy(Policy):
         self.draft_s = 0.0  # this step's drafter pass as planned
         self.freed = 1.0  # this step's ``freed_value``
         self.whole_least: float | None = None
-        # what the last declined plan was made from, and the steps it still stands
+        # what the last plain step that won was decided from, and the steps it still stands
         self.declined: tuple[tuple[int, int, int, int], int] | None = None
         self.reset()
 
@@ -462,16 +465,77 @@ class CostPolicy(Policy):
         self.probes = []
         if not ready:
             return []
+        plain_s = ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
+        self.predicted_s = plain_s  # unless somebody drafts (``widths``)
+        made_of = (self.state, len(ready), ctx.other_tokens, ctx.waiting)
+        if self.declined is not None and self.declined[0] == made_of:
+            # nothing changed since drafting lost: the plain step still stands
+            left = self.declined[1]
+            self.declined = (made_of, left - 1) if left > 1 else None
+            order, best_n = ready, 0
+        else:
+            order, best_n = self.choose(ready, ctx, plain_s)
+            self.declined = None if best_n else (made_of, REPLAN_EVERY - 1)
+        if best_n and not ctx.other_tokens and ctx.cost.plain_stale(ctx.requests or len(ready)):
+            # drafting would pay by the estimates, but the compiled plain step it beats was
+            # never timed at this batch size or not lately: this step is that plain step (a
+            # drafter that always pays loses one step's speculation per compiled batch size
+            # it meets, and one in PLAIN_REFRESH after that)
+            self.draft_s = 0.0
+            return []
+        chosen = order[:best_n]
+        # probes (shadow drafts), paid from the budget (docstring): when the drafter runs
+        # regardless, the requests that have not drafted for their gap join its pass,
+        # cheapest first, while the budget lasts; when it would not run, a pass of up to
+        # PROBE_REQUESTS of them once the drafter has been idle for the drafter-wide gap
+        share = PROBE_SHARE * self.probe_every / self.probe_gap  # backs off with the gap
+        self.probe_budget_s = min(self.probe_budget_s + share * plain_s, PROBE_START_S)
+        # (a request whose probe awaits its answer is not probed again)
+        if chosen:
+            due = [
+                r
+                for r in order[best_n:]
+                if r.shadow is None and r.rounds - r.last_drafted >= self.gap(r)
+            ]
+            due.sort(key=ctx.pending)
+            riders = self.ride_along(chosen, due, ctx)
+        else:
+            self.idle_steps += 1
+            lone = self.idle_steps >= self.probe_gap and self.probe_budget_s > 0
+            idle = [r for r in order if r.shadow is None] if lone else []
+            riders = self.ride_along([], sorted(idle, key=ctx.pending)[:PROBE_REQUESTS], ctx)
+        probes = [r for r, _ in riders]
+        if chosen or probes:
+            self.idle_steps = 0
+        if probes:
+            self.probe_passes += 1
+        for r, spent in riders:  # its gap counts from now
+            r.last_drafted = r.rounds
+            expected = self.expected_accepted(r, ctx.block_size)
+            self.launched[id(r)] = (self.probe_passes, self.gap(r), spent, expected)
+        self.probes = probes
+        # the drafter's pass, priced now: once it ran, nothing is pending
+        passed = chosen + probes
+        self.draft_s = ctx.cost.drafter_s(len(passed), sum(ctx.pending(r) for r in passed))
+        if probes and not chosen:  # a plain step with a drafter pass beside it
+            self.predicted_s = plain_s + self.draft_s
+            self.expected_tokens = float(ctx.requests or len(ready))  # one token each
+        return chosen
+
+    def choose(
+        self, ready: list[Request], ctx: PolicyContext, plain_s: float
+    ) -> tuple[list[Request], int]:
+        """``ready`` by their expected drafts, and how many of the first draft this step (0:
+        nobody, the plain step of ``plain_s`` seconds wins): the best plan of each number that
+        its bound does not rule out."""
         k = ctx.block_size
         # candidates by their value: expected extra tokens from the first few slots
         gain = {id(r): self.expected_drafts(r, k) for r in ready}
         order = sorted(ready, key=lambda r: -gain[id(r)])
         ranked: list[tuple[float, int, int]] | None = None  # every slot by survival, once
         seconds: dict[tuple[int, tuple[int, int] | None], float] = {}
-        plain_s = ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
         plain_rate = len(ready) / plain_s
         self.freed = freed_value(len(ready), ctx)
-        self.predicted_s = plain_s  # unless somebody drafts (``widths``)
         # what bounds every plan below: a drafting step's target pass costs at least the plain
         # one (or the narrowest wider pass, where a fitted line tilts below it)
         narrowest = ctx.cost.target_s(
@@ -495,16 +559,12 @@ class CostPolicy(Policy):
         # call in a loop, 16 requests of a useless drafter)
         everything = most_worth(len(ready) + sum(gain.values()), alone(ctx))
         best_any = ctx.cost.drafting_value * everything / (ctx.cost.drafter_s(1) + least_pass)
-        candidates = [] if best_any <= best_rate else order
-        made_of = (self.state, len(ready), ctx.other_tokens, ctx.waiting)
-        if candidates and self.declined is not None and self.declined[0] == made_of:
-            left = self.declined[1]
-            self.declined = (made_of, left - 1) if left > 1 else None
-            candidates = []  # nothing changed since plans lost: the plain step still stands
-        surv = {id(r): self.survival(r, k) for r in candidates}
-        charge = {id(r): charged(r, ctx, gain[id(r)]) for r in candidates}  # context, per step
+        if best_any <= best_rate:
+            return order, 0
+        surv = {id(r): self.survival(r, k) for r in order}
+        charge = {id(r): charged(r, ctx, gain[id(r)]) for r in order}  # context, per step
         tokens, pending = float(len(ready)), 0.0
-        for n, r in enumerate(candidates, 1):
+        for n, r in enumerate(order, 1):
             tokens, pending = tokens + gain[id(r)], pending + charge[id(r)]
             # no plan of these n can beat the best when all their expected tokens (what they
             # are worth, where others take a plain step: ``freed_value``) over the cheapest step
@@ -520,49 +580,7 @@ class CostPolicy(Policy):
             rate, _ = self.plan(order[:n], ctx, len(ready) - n, surv, ranked, seconds, charge)
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        if candidates:  # planned: a plan that lost stands for the next steps (``REPLAN_EVERY``)
-            self.declined = None if best_n else (made_of, REPLAN_EVERY - 1)
-        if best_n and not ctx.other_tokens and ctx.cost.plain_stale(ctx.requests or len(ready)):
-            # drafting would pay by the estimates, but the compiled plain step it beats was
-            # never timed at this batch size or not lately: this step is that plain step (a
-            # drafter that always pays loses one step's speculation per compiled batch size
-            # it meets, and one in PLAIN_REFRESH after that)
-            self.draft_s = 0.0
-            return []
-        chosen = order[:best_n]
-        # probes (shadow drafts), paid from the budget (docstring): when the drafter runs
-        # regardless, the requests that have not drafted for their gap join its pass,
-        # cheapest first, while the budget lasts; when it would not run, a pass of up to
-        # PROBE_REQUESTS of them once the drafter has been idle for the drafter-wide gap
-        share = PROBE_SHARE * self.probe_every / self.probe_gap  # backs off with the gap
-        self.probe_budget_s = min(self.probe_budget_s + share * plain_s, PROBE_START_S)
-        idle = [r for r in order[best_n:] if r.shadow is None]  # none awaiting its answer
-        if chosen:
-            due = [r for r in idle if r.rounds - r.last_drafted >= self.gap(r)]
-            due.sort(key=ctx.pending)
-            riders = self.ride_along(chosen, due, ctx)
-        else:
-            self.idle_steps += 1
-            lone = self.idle_steps >= self.probe_gap and self.probe_budget_s > 0
-            cheapest = sorted(idle, key=ctx.pending)[:PROBE_REQUESTS] if lone else []
-            riders = self.ride_along([], cheapest, ctx)
-        probes = [r for r, _ in riders]
-        if chosen or probes:
-            self.idle_steps = 0
-        if probes:
-            self.probe_passes += 1
-        for r, spent in riders:  # its gap counts from now
-            r.last_drafted = r.rounds
-            expected = self.expected_accepted(r, ctx.block_size)
-            self.launched[id(r)] = (self.probe_passes, self.gap(r), spent, expected)
-        self.probes = probes
-        # the drafter's pass, priced now: once it ran, nothing is pending
-        passed = chosen + probes
-        self.draft_s = ctx.cost.drafter_s(len(passed), sum(ctx.pending(r) for r in passed))
-        if probes and not chosen:  # a plain step with a drafter pass beside it
-            self.predicted_s = plain_s + self.draft_s
-            self.expected_tokens = float(ctx.requests or len(ready))  # one token each
-        return chosen
+        return order, best_n
 
     def ride_along(
         self, chosen: list[Request], due: list[Request], ctx: PolicyContext

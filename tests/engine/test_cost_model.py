@@ -252,6 +252,31 @@ def test_a_declined_plan_stands_while_nothing_it_was_made_from_changes(monkeypat
     assert len(planned) == 4 * per_step
 
 
+def test_a_plain_step_that_no_plan_could_beat_stands_too(monkeypatch):
+    """A drafter that does not pay: once the bound has ruled out every plan, the next
+    ``REPLAN_EVERY`` − 1 steps look at no request's expectations, while the profiles, the
+    requests and the pass stay as they were; a new request in the pass decides again."""
+    monkeypatch.setattr(policy_module, "PROBE_START_S", 0.0)  # no probes: the choice alone
+    k = 16
+    policy = CostPolicy(k)
+    reqs = [req(i) for i in range(8)]
+    for r in reqs:
+        for _ in range(30):
+            policy.observe(r, k, 0, k)
+    looked = []
+    real = CostPolicy.expected_drafts
+    monkeypatch.setattr(CostPolicy, "expected_drafts", lambda *a: looked.append(1) or real(*a))
+    ctx = PolicyContext(k, 1.0, plain_cost(), budget=256, other_tokens=0)
+    assert policy.drafters(reqs, ctx) == [] and len(looked) == len(reqs)
+    for _ in range(policy_module.REPLAN_EVERY - 1):
+        assert policy.drafters(reqs, ctx) == [] and policy.predicted_s == ctx.cost.target_s(8, 8)
+    assert len(looked) == len(reqs)
+    policy.drafters(reqs, ctx)  # it stood its steps: decided again
+    assert len(looked) == 2 * len(reqs)
+    policy.drafters([*reqs, req(8)], ctx)  # one request more: decided again at once
+    assert len(looked) == 2 * len(reqs) + len(reqs) + 1
+
+
 def test_drafter_cost_learns_context_catch_up_and_the_policy_prices_it():
     cost = CostModel()
     g = torch.Generator().manual_seed(1)
@@ -771,7 +796,8 @@ def test_drafts_with_a_queue_are_worth_what_they_gained_the_known_work():
         cost.observe_queue_step(10.0, 0.5)
     assert cost.queue_yield < 0.06 and cost.snapshot()["queue_yield"] < 0.06
     assert policy.drafters(reqs, queued) == []
-    for _ in range(400):
+    for _ in range(400):  # plain steps, as the engine takes them: decided, then measured
+        policy.drafters(reqs, queued)
         cost.queue_idle_step()
     assert cost.queue_yield > 0.9 and len(policy.drafters(reqs, queued)) == 8
     for _ in range(60):
