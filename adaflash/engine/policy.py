@@ -323,8 +323,10 @@ class CostPolicy(Policy):
         return r.probe_gap or self.probe_gap
 
     def observe(self, r: Request, verify_len: int, accepted: int, block_size: int) -> None:
-        if verify_len > 1:  # profiles and calibration change below (a plain round: nothing)
-            self.state = next(_states)
+        if verify_len < 2 and len(self.seen) == block_size - 1:
+            self.planned.pop(id(r), None)  # a plain round measures nothing (most rounds)
+            return
+        self.state = next(_states)  # profiles and calibration change below
         planned = self.planned.pop(id(r), [])
         for i, s in enumerate(planned[: verify_len - 1]):
             self.cal_planned[i] = CAL_DECAY * self.cal_planned[i] + s
