@@ -239,7 +239,7 @@ class CostPolicy(Policy):
         self.freed = 1.0  # this step's ``freed_value``
         self.whole_least: float | None = None
         # what the last plain step that won was decided from, and the steps it still stands
-        self.declined: tuple[tuple[int, int, int, int], int] | None = None
+        self.standing: tuple[tuple[int, int, int, int], int] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -470,14 +470,14 @@ class CostPolicy(Policy):
         plain_s = ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
         self.predicted_s = plain_s  # unless somebody drafts (``widths``)
         made_of = (self.state, len(ready), ctx.other_tokens, ctx.waiting)
-        if self.declined is not None and self.declined[0] == made_of:
-            # nothing changed since drafting lost: the plain step still stands
-            left = self.declined[1]
-            self.declined = (made_of, left - 1) if left > 1 else None
+        if self.standing is not None and self.standing[0] == made_of:
+            # nothing changed since the plain step won: it still stands
+            left = self.standing[1]
+            self.standing = (made_of, left - 1) if left > 1 else None
             order, best_n = ready, 0
         else:
             order, best_n = self.choose(ready, ctx, plain_s)
-            self.declined = None if best_n else (made_of, REPLAN_EVERY - 1)
+            self.standing = None if best_n else (made_of, REPLAN_EVERY - 1)
         if best_n and not ctx.other_tokens and ctx.cost.plain_stale(ctx.requests or len(ready)):
             # drafting would pay by the estimates, but the compiled plain step it beats was
             # never timed at this batch size or not lately: this step is that plain step (a

@@ -241,7 +241,7 @@ def test_a_declined_plan_stands_while_nothing_it_was_made_from_changes(monkeypat
         CostPolicy, "plan", lambda *a, **kw: planned.append(1) or real_plan(*a, **kw)
     )
     ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
-    assert policy.drafters(reqs, ctx) == [] and policy.declined is not None
+    assert policy.drafters(reqs, ctx) == [] and policy.standing is not None
     per_step = len(planned)  # the plans of one decision
     assert per_step >= 1
     for _ in range(3 * policy_module.REPLAN_EVERY - 1):
