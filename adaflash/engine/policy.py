@@ -486,36 +486,7 @@ class CostPolicy(Policy):
             self.draft_s = 0.0
             return []
         chosen = order[:best_n]
-        # probes (shadow drafts), paid from the budget (docstring): when the drafter runs
-        # regardless, the requests that have not drafted for their gap join its pass,
-        # cheapest first, while the budget lasts; when it would not run, a pass of up to
-        # PROBE_REQUESTS of them once the drafter has been idle for the drafter-wide gap
-        share = PROBE_SHARE * self.probe_every / self.probe_gap  # backs off with the gap
-        self.probe_budget_s = min(self.probe_budget_s + share * plain_s, PROBE_START_S)
-        # (a request whose probe awaits its answer is not probed again)
-        if chosen:
-            due = [
-                r
-                for r in order[best_n:]
-                if r.shadow is None and r.rounds - r.last_drafted >= self.gap(r)
-            ]
-            due.sort(key=ctx.pending)
-            riders = self.ride_along(chosen, due, ctx)
-        else:
-            self.idle_steps += 1
-            lone = self.idle_steps >= self.probe_gap and self.probe_budget_s > 0
-            idle = [r for r in order if r.shadow is None] if lone else []
-            riders = self.ride_along([], sorted(idle, key=ctx.pending)[:PROBE_REQUESTS], ctx)
-        probes = [r for r, _ in riders]
-        if chosen or probes:
-            self.idle_steps = 0
-        if probes:
-            self.probe_passes += 1
-        for r, spent in riders:  # its gap counts from now
-            r.last_drafted = r.rounds
-            expected = self.expected_accepted(r, ctx.block_size)
-            self.launched[id(r)] = (self.probe_passes, self.gap(r), spent, expected)
-        self.probes = probes
+        probes = self.probes = self.launch_probes(chosen, order[best_n:], ctx, plain_s)
         # the drafter's pass, priced now: once it ran, nothing is pending
         passed = chosen + probes
         self.draft_s = ctx.cost.drafter_s(len(passed), sum(ctx.pending(r) for r in passed))
@@ -583,6 +554,37 @@ class CostPolicy(Policy):
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return order, best_n
+
+    def launch_probes(
+        self, chosen: list[Request], rest: list[Request], ctx: PolicyContext, plain_s: float
+    ) -> list[Request]:
+        """This step's probes (shadow drafts) among ``rest``, the ready requests that do not
+        draft, paid from the budget (docstring): when the drafter runs for ``chosen``, those
+        that have not drafted for their gap join its pass, cheapest first, while the budget
+        lasts; when it would not run, a pass of up to PROBE_REQUESTS of them once the drafter
+        has been idle for the drafter-wide gap. ``plain_s``: this step's plain price."""
+        share = PROBE_SHARE * self.probe_every / self.probe_gap  # backs off with the gap
+        self.probe_budget_s = min(self.probe_budget_s + share * plain_s, PROBE_START_S)
+        # (a request whose probe awaits its answer is not probed again)
+        if chosen:
+            due = [r for r in rest if r.shadow is None and r.rounds - r.last_drafted >= self.gap(r)]
+            due.sort(key=ctx.pending)
+            riders = self.ride_along(chosen, due, ctx)
+        else:
+            self.idle_steps += 1
+            lone = self.idle_steps >= self.probe_gap and self.probe_budget_s > 0
+            idle = [r for r in rest if r.shadow is None] if lone else []
+            riders = self.ride_along([], sorted(idle, key=ctx.pending)[:PROBE_REQUESTS], ctx)
+        probes = [r for r, _ in riders]
+        if chosen or probes:
+            self.idle_steps = 0
+        if probes:
+            self.probe_passes += 1
+        for r, spent in riders:  # its gap counts from now
+            r.last_drafted = r.rounds
+            expected = self.expected_accepted(r, ctx.block_size)
+            self.launched[id(r)] = (self.probe_passes, self.gap(r), spent, expected)
+        return probes
 
     def ride_along(
         self, chosen: list[Request], due: list[Request], ctx: PolicyContext
