@@ -678,6 +678,22 @@ def test_a_drafted_token_is_worth_what_finishing_sooner_frees():
     assert freed_value(4, ctx) == pytest.approx(4 * 0.002 / 0.018)
 
 
+def test_a_padded_batch_frees_nothing_before_its_step_is_timed():
+    """Sixteen requests pad up to a compiled batch-16 plain step that was never timed: the line
+    through eager passes prices 15 requests below 16, but both run the same padded step, so a
+    drafted token that finishes a request sooner frees nothing."""
+    cost = CostModel()
+    cost.compiled((8, 16), 3, ((16, 4),))
+    for n in range(60, 100, 4):  # eager passes with a chunk: 0.2 ms a token, 4 ms a request
+        for m in range(2, 10):
+            cost.observe_target(n, m, 0.005 + 0.0002 * n + 0.004 * m, prefill=True, widest=64)
+    assert cost.target_s(15, 15) < cost.target_s(16, 16)  # the line's two points
+    ctx = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
+    assert freed_value(16, ctx) == 0.0 == freed_value(13, ctx)
+    assert cost.plain_key(9) != cost.plain_key(8)  # 9 and 8 pad to different batches: priced
+    assert freed_value(9, ctx) > 0.0
+
+
 def test_beside_a_prompt_chunk_a_drafted_token_is_priced_on_the_batch_end_step():
     """Eight requests on a compiled batch-8 step while a ninth reads its prompt: the pass with
     the chunk runs eager, where one request fewer saves a share of it, but the steps a request
