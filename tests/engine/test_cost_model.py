@@ -684,9 +684,7 @@ def test_a_padded_batch_frees_nothing_before_its_step_is_timed():
     drafted token that finishes a request sooner frees nothing."""
     cost = CostModel()
     cost.compiled((8, 16), 3, ((16, 4),))
-    for n in range(60, 100, 4):  # eager passes with a chunk: 0.2 ms a token, 4 ms a request
-        for m in range(2, 10):
-            cost.observe_target(n, m, 0.005 + 0.0002 * n + 0.004 * m, prefill=True, widest=64)
+    observe_eager_chunks(cost)
     assert cost.target_s(15, 15) < cost.target_s(16, 16)  # the line's two points
     ctx = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
     assert freed_value(16, ctx) == 0.0 == freed_value(13, ctx)
@@ -701,9 +699,7 @@ def test_beside_a_prompt_chunk_a_drafted_token_is_priced_on_the_batch_end_step()
     to the same batch-8 step as 8: the drafts are worth nothing beside the chunk either, and
     the good requests do not draft."""
     cost, policy, reqs = drafting_eight(0.024)
-    for n in range(60, 100, 4):  # eager passes with a chunk: 0.2 ms a token, 4 ms a request
-        for m in range(2, 10):
-            cost.observe_target(n, m, 0.005 + 0.0002 * n + 0.004 * m, prefill=True, widest=64)
+    observe_eager_chunks(cost)
     chunk = PolicyContext(16, 1.0, cost, budget=512, other_tokens=64, other_widest=64)
     assert freed_value(8, chunk) == 0.0 == freed_value(8, replace(chunk, other_tokens=0))
     assert policy.drafters(reqs, chunk) == []
@@ -820,6 +816,14 @@ def test_drafts_with_a_queue_are_worth_what_they_gained_the_known_work():
         cost.observe_queue_step(10.0, 0.5)
     cost.new_drafter()
     assert cost.queue_yield == 1.0
+
+
+def observe_eager_chunks(cost: CostModel) -> None:
+    """Eager passes of 2–9 requests beside a 64-token prompt chunk: 5 ms, 0.2 ms a token and
+    4 ms a request."""
+    for n in range(60, 100, 4):
+        for m in range(2, 10):
+            cost.observe_target(n, m, 0.005 + 0.0002 * n + 0.004 * m, prefill=True, widest=64)
 
 
 def drafting_eight(verify_s: float) -> tuple[CostModel, CostPolicy, list[Request]]:
