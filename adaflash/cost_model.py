@@ -422,7 +422,9 @@ class CostModel:
             key = self.plain_key(requests)
             if key in self.plain:  # (measured: no line to compute, most calls)
                 return self.plain[key]
-            line = max(self.target.predict([1.0, float(tokens), float(requests)]), 1e-6)
+            # not timed: the line at the batch it runs (15 requests pad up to the batch-16
+            # step and cost what 16 do, timed or not)
+            line = max(self.target.predict([1.0, float(key), float(key)]), 1e-6)
             return between(self.plain, key, line)
         vkey = self.verify_key(requests, widest)
         if vkey is not None:  # compiled: measured, else (optimistic) its plain pass (docstring)

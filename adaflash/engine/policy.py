@@ -676,11 +676,7 @@ def freed_value(requests: int, ctx: PolicyContext) -> float:
         return 1.0  # ``drafting_yield`` already scales what its drafts realise)
     if ctx.waiting:  # … as far as such tokens brought the queued work's end closer lately
         return ctx.cost.queue_yield
-    if ctx.cost.plain_key(requests) == ctx.cost.plain_key(requests - 1):
-        # both pad up to one compiled batch: nothing, measured or not (before that step was
-        # timed, two points of a line said otherwise: shipped drafter, blend at C = 16, Zen 5,
-        # 13 requests drafted beside 225 prompt tokens at a freed value of 0.55)
-        return 0.0
+    # (where both pad up to one compiled batch, one price, timed or not: ``target_s``)
     tail = ctx.cost.target_s(requests, requests)  # a plain step at the batch's end
     fewer = ctx.cost.target_s(requests - 1, requests - 1)
     return min(max(requests * (tail - fewer) / tail, 0.0), 1.0)

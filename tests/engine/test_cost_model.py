@@ -680,12 +680,16 @@ def test_a_drafted_token_is_worth_what_finishing_sooner_frees():
 
 def test_a_padded_batch_frees_nothing_before_its_step_is_timed():
     """Sixteen requests pad up to a compiled batch-16 plain step that was never timed: the line
-    through eager passes prices 15 requests below 16, but both run the same padded step, so a
-    drafted token that finishes a request sooner frees nothing."""
+    through eager passes would price 15 requests below 16, but both run the same padded step,
+    so both are priced at the line's batch-16 point, and a drafted token that finishes a
+    request sooner frees nothing."""
     cost = CostModel()
     cost.compiled((8, 16), 3, ((16, 4),))
     observe_eager_chunks(cost)
-    assert cost.target_s(15, 15) < cost.target_s(16, 16)  # the line's two points
+    line = cost.target.predict
+    assert line([1.0, 15.0, 15.0]) < line([1.0, 16.0, 16.0])  # the line's two points
+    assert cost.target_s(15, 15) == cost.target_s(16, 16) == line([1.0, 16.0, 16.0])
+    assert cost.target_s(9, 9) == cost.target_s(16, 16) > cost.target_s(8, 8)
     ctx = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
     assert freed_value(16, ctx) == 0.0 == freed_value(13, ctx)
     assert cost.plain_key(9) != cost.plain_key(8)  # 9 and 8 pad to different batches: priced
