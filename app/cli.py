@@ -115,7 +115,10 @@ def add_online_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-new", type=int, default=None, help="train at this many new trajectories")
     p.add_argument("--max-samples", type=int, default=None, help="trajectories per round")
     p.add_argument(
-        "--gate-margin", type=float, default=None, help="τ a candidate may lose and be promoted"
+        "--gate-margin",
+        type=float,
+        default=None,
+        help="τ a candidate must gain over the active version to be promoted (0: not worse)",
     )
     add_distill_args(p)
 

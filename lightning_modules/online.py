@@ -5,8 +5,10 @@
 2. train the active version's drafter + head on the rest (``lightning_modules.train.fit``);
 3. publish the result as an immutable candidate version (atomic);
 4. gate: replay candidate and active drafters against the held-out trajectories' recorded target
-   tokens (simulated acceptance, no generation); promote when the candidate's τ is not worse than
-   the active one's by more than ``gate_margin``, else reject with the reason;
+   tokens (simulated acceptance, no generation, the same anchors for both); promote when the
+   candidate's τ is at least the active one's plus ``gate_margin`` (0: it may not measure worse;
+   a version that measured worse on the traffic it would serve is never promoted), else reject
+   with the reason;
 5. mark exactly the trained trajectories consumed by this run.
 """
 
@@ -39,7 +41,7 @@ class OnlineConfig:
     max_samples: int = 512
     min_samples: int = 8  # below this even an admin-triggered run refuses
     holdout_fraction: float = 0.125
-    gate_margin: float = 0.05  # τ points the candidate may lose against the active version
+    gate_margin: float = 0.0  # τ points the candidate must gain over the active version (≥)
     gate_anchors: int = 32
     distill: DistillConfig = field(default_factory=DistillConfig)
 
@@ -151,14 +153,14 @@ def _round(
         "margin": cfg.gate_margin,
     }
     registry.update_metrics(candidate.id, gate=gate)
-    promoted = cand_c.accept_len >= base_c.accept_len - cfg.gate_margin
+    promoted = cand_c.accept_len >= base_c.accept_len + cfg.gate_margin
     if promoted:
         registry.activate(candidate.id)
         reason = ""
     else:
         reason = (
             f"simulated τ {cand_c.accept_len:.3f} is below the active version's "
-            f"{base_c.accept_len:.3f} by more than {cfg.gate_margin}"
+            f"{base_c.accept_len:.3f} plus the margin {cfg.gate_margin}"
         )
         registry.reject(candidate.id, reason)
     consumed = mark_consumed(db, [r.seq for r in train_rows], run_id)

@@ -5,6 +5,8 @@ import signal
 import subprocess
 import sys
 import time
+import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -70,7 +72,7 @@ def test_training_round_publishes_gates_and_consumes_exactly_the_trained_rows(db
     gate = v.metrics["gate"]
     assert gate["holdout"] == 3
     assert v.status == ("active" if out.promoted else "rejected")
-    assert out.promoted == (gate["candidate_accept_len"] >= gate["active_accept_len"] - 0.05)
+    assert out.promoted == (gate["candidate_accept_len"] >= gate["active_accept_len"])
     with Session(db) as s:
         rows = list(s.scalars(select(TrajectoryRow).order_by(TrajectoryRow.seq)))
     assert [r.consumed_by for r in rows] == [run] * 9 + [None] * 3  # held-out stay unconsumed
@@ -85,12 +87,38 @@ def test_gate_rejects_a_worse_candidate(db, online):
         min_samples=4,
         holdout_fraction=0.25,
         gate_anchors=8,
-        gate_margin=-100.0,  # demands an impossible improvement
+        gate_margin=100.0,  # demands an impossible improvement
         distill=DistillConfig(epochs=1, anchors_per_seq=4),
     )
     out = training_round(db, registry, target, strict, claim_run(db, "admin"))
     assert not out.promoted and "below the active" in out.reason
     assert registry.get("v0001").status == "rejected" and registry.active().id == "v0000"
+
+
+@pytest.mark.parametrize(("candidate", "active"), [(1.49, 1.50), (1.50, 1.50)])
+def test_by_default_a_candidate_that_measures_worse_is_not_promoted(
+    db, online, monkeypatch, candidate, active
+):
+    """The gate's default demands the candidate measure at least as well as the active version
+    on the held-out traffic: 0.01 τ worse is rejected (the gate once let 0.05 through), level is
+    promoted. The replay's τ is fixed here (candidate first, then the active version, as the
+    round replays them); the point is the decision."""
+    registry, target = online
+    import lightning_modules.online as online_mod
+
+    reported = [candidate, active]
+    monkeypatch.setattr(
+        online_mod,
+        "simulate_acceptance",
+        lambda *_a, **_k: types.SimpleNamespace(accept_len=reported.pop(0)),
+    )
+    cfg = replace(FAST, distill=replace(FAST.distill, epochs=1))
+    assert cfg.gate_margin == 0.0
+    out = training_round(db, registry, target, cfg, claim_run(db, "admin"))
+    assert not reported and out.status == "succeeded"
+    worse = candidate < active
+    assert out.promoted == (not worse) and ("below the active" in out.reason) == worse
+    assert registry.active().id == ("v0000" if worse else out.version_id)
 
 
 def test_failed_round_publishes_nothing(db, online):
