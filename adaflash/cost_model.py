@@ -19,7 +19,8 @@ Plain passes of several requests (one token each: nobody verifies) may run on a 
 batched graph, at half the eager cost or less, so they get a table of their own too, keyed by the
 batch size that runs them: the compiled size a count pads up to (``compiled``: 15 requests run on
 the batch-16 graph and cost what 16 do), else the count itself; a key not yet measured is
-interpolated between measured keys as above. A plain price is what every drafting step is compared
+interpolated between measured keys as above, the line taken at the key (15 requests priced as
+16 before that step is timed too). A plain price is what every drafting step is compared
 against, and a policy that keeps drafting never measures it again. So ``plain_stale`` says when
 its price was never measured or not for ``PLAIN_REFRESH`` passes, the cost policy then takes one
 plain step to time it, and that late measurement counts for half the new price. (Priced from the

@@ -86,6 +86,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import itertools
 import json
 import os
 import platform
@@ -811,6 +812,10 @@ def criterion_shipped(rows: list[dict]) -> dict:
     (max tokens/s) reaches the median tokens/s of ar and of head."""
     idx = policy_index(rows)
     cells = []
+
+    def key(cell: dict) -> tuple[str, str, str, int]:
+        return ("shipped", "cost", cell["domain"], cell["concurrency"])
+
     for (drafter, m, d, c), r in idx.items():
         if drafter != "shipped" or m != "cost":
             continue
@@ -830,12 +835,33 @@ def criterion_shipped(rows: list[dict]) -> dict:
                 "pass": r["tokens_per_s_max"] >= best,
             }
         )
+    repeats = min((idx[key(c)].get("repeats", 1) for c in cells), default=0)
     return {
         "rule": "shipped drafter: cost ≥ max(ar, head) in every (domain, C) cell within noise, "
         "i.e. cost's max tokens/s over the repeats ≥ the median tokens/s of ar and of head",
         "pass": verdict(cells),
         "cells": cells,
+        # how often the rule fails a cell where cost runs exactly as ar does (``null_fail_rate``)
+        "null_fail_rate": round(null_fail_rate(repeats), 4),
     }
+
+
+def null_fail_rate(repeats: int) -> float:
+    """(b)'s rule held against itself: the chance that it fails a cell where ``cost`` is no
+    different from ``ar`` — both cells' ``repeats`` runs drawn from one distribution — i.e.
+    that cost's best run falls below ar's median. All C(2n, n) orders of the 2n runs are
+    equally likely, so it is exact for an odd n whatever the distribution (3 repeats: 0.20);
+    for an even n, ar's median lies between its two middle runs and this counts only the
+    orders below the lower one (a lower bound)."""
+    n = repeats
+    if n < 1:
+        return 0.0
+    orders = list(itertools.combinations(range(2 * n), n))  # the positions of cost's runs
+    fails = 0
+    for mine in orders:
+        others = [i for i in range(2 * n) if i not in mine]
+        fails += max(mine) < others[(n - 1) // 2]
+    return fails / len(orders)
 
 
 def criterion_oracle(rows: list[dict]) -> dict:
@@ -1047,6 +1073,13 @@ def criteria_lines(crit: dict[str, dict]) -> list[str]:
             lines.append(
                 f"  - worst cell: {worst['domain']} C={worst['concurrency']} paired "
                 f"{worst['paired']:.2f}× (unpaired median ratio {worst['speedup']:.2f}×)"
+            )
+        if name == "b" and "null_fail_rate" in cr and cr["cells"]:
+            rate, cells = cr["null_fail_rate"], len(cr["cells"])
+            lines.append(
+                f"  - the rule's own noise: where cost ran exactly as ar does it would fail a cell "
+                f"with probability {rate:.2f} ({rate * cells:.1f} of {cells} cells expected; all "
+                f"pass {(1 - rate) ** cells:.0%} of the time)"
             )
         if name == "b":
             for c in failed:

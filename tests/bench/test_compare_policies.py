@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pstats
+import random
+import statistics
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
@@ -317,6 +319,30 @@ def test_criterion_b_shipped_cost_beats_ar_and_head_within_noise(compare: Module
         row("shipped", "cost", "math", 4, 18.0, lo=17.0, hi=19.0),
     ]
     assert compare.criteria([*ok, *slow])["b"]["pass"] is False
+
+
+def test_criterion_b_states_how_often_it_fails_a_cost_no_different_from_ar(
+    compare: ModuleType,
+) -> None:
+    """(b) with 3 repeats fails a cell where cost's runs and ar's come from one distribution
+    one time in five (4 of the 20 orders of six runs): the rate the table states is the rule's
+    own, checked here against the rule applied to such cells."""
+    assert compare.null_fail_rate(3) == 0.2 and compare.null_fail_rate(1) == 0.5
+    assert compare.null_fail_rate(5) == 21 / 252
+    g = random.Random(0)
+    for n in (3, 5):
+        fails = 0
+        for _ in range(2000):
+            ar, cost = sorted(g.gauss(10, 1) for _ in range(n)), [g.gauss(10, 1) for _ in range(n)]
+            cells = [
+                {**row(None, "ar", "chat", 1, statistics.median(ar)), "repeats": n},
+                {**row("shipped", "head", "chat", 1, 1.0), "repeats": n},
+                {**row("shipped", "cost", "chat", 1, 0.0, hi=max(cost)), "repeats": n},
+            ]
+            fails += compare.criteria(cells)["b"]["pass"] is False
+        b = compare.criteria(cells)["b"]
+        assert b["null_fail_rate"] == round(compare.null_fail_rate(n), 4)
+        assert abs(fails / 2000 - compare.null_fail_rate(n)) < 0.03, (n, fails)
 
 
 def test_criterion_c_shipped_cost_reaches_90_percent_of_oracle_len(compare: ModuleType) -> None:
