@@ -49,7 +49,7 @@ def test_demo_starts_a_server_and_watches_new_versions_go_live(tmp_path):
         "--",
         *("--target", str(target), "--drafter", str(drafter), "--dtype", "float32"),
         *("--no-compile", "--min-new", "8", "--epochs", "1", "--poll-s", "0.5"),
-        *("--gate-margin", "100"),  # the gate is not this test's point: promote every version
+        *("--gate-margin", "-100"),  # the gate is not this test's point: promote every version
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(out.read_text())
