@@ -104,12 +104,9 @@ def test_by_default_a_candidate_that_measures_worse_is_not_promoted(
     promoted. The replay's τ is fixed here (candidate first, then the active version, as the
     round replays them); the point is the decision."""
     registry, target = online
-    import lightning_modules.online as online_mod
-
     reported = [candidate, active]
     monkeypatch.setattr(
-        online_mod,
-        "simulate_acceptance",
+        "lightning_modules.online.simulate_acceptance",
         lambda *_a, **_k: types.SimpleNamespace(accept_len=reported.pop(0)),
     )
     cfg = replace(FAST, distill=replace(FAST.distill, epochs=1))
