@@ -1070,14 +1070,14 @@ def criteria_lines(crit: dict[str, dict]) -> list[str]:
                 f"  - worst cell: {worst['domain']} C={worst['concurrency']} paired "
                 f"{worst['paired']:.2f}× (unpaired median ratio {worst['speedup']:.2f}×)"
             )
-        if name == "b" and "null_fail_rate" in cr and cr["cells"]:
-            rate, cells = cr["null_fail_rate"], len(cr["cells"])
-            lines.append(
-                f"  - the rule's own noise: where cost ran exactly as ar does it would fail a cell "
-                f"with probability {rate:.2f} ({rate * cells:.1f} of {cells} cells expected; all "
-                f"pass {(1 - rate) ** cells:.0%} of the time)"
-            )
         if name == "b":
+            if "null_fail_rate" in cr and cr["cells"]:
+                rate, cells = cr["null_fail_rate"], len(cr["cells"])
+                lines.append(
+                    f"  - the rule's own noise: where cost ran exactly as ar does it would fail a "
+                    f"cell with probability {rate:.2f} ({rate * cells:.1f} of {cells} cells "
+                    f"expected; all pass {(1 - rate) ** cells:.0%} of the time)"
+                )
             for c in failed:
                 rivals = ", ".join(
                     f"{k[:-7]} {v:.1f}"
