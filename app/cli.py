@@ -49,7 +49,12 @@ DISTILL_FLAGS = {  # flag dest → DistillConfig field
     "devices": "devices",
     "num_nodes": "num_nodes",
 }
-ONLINE_FLAGS = {"min_new": "min_new", "max_samples": "max_samples", "gate_margin": "gate_margin"}
+ONLINE_FLAGS = {
+    "min_new": "min_new",
+    "max_samples": "max_samples",
+    "gate_margin": "gate_margin",
+    "replay": "replay",
+}
 
 
 def _given(args: argparse.Namespace, names: dict[str, str]) -> dict[str, Any]:
@@ -119,6 +124,12 @@ def add_online_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="τ a candidate must gain over the active version to be promoted (0: not worse)",
+    )
+    p.add_argument(
+        "--replay",
+        type=int,
+        default=None,
+        help="trajectories of earlier rounds each round trains on again with the new ones",
     )
     add_distill_args(p)
 

@@ -60,6 +60,7 @@ from db.buffer import BufferWriter
 from db.registry import Registry
 from db.runs import list_runs
 from db.session import make_engine, migrate
+from lightning_modules.online import OnlineConfig
 
 EVAL_DOMAINS = ("math", "chat", "code")
 
@@ -160,7 +161,7 @@ def run_arm(
     trainer_cmd += ["--weights-dir", str(work / "weights"), "--target", str(target_dir)]
     trainer_cmd += ["--min-new", str(args.chunk), "--loss", loss, "--epochs", str(args.epochs)]
     trainer_cmd += ["--anchors", str(args.anchors), "--seed", str(repeat), "--threads", "1"]
-    trainer_cmd += ["--poll-s", "3", "--nice", "0"]
+    trainer_cmd += ["--poll-s", "3", "--nice", "0", "--replay", str(args.replay)]
     trainer = subprocess.Popen(
         trainer_cmd,
         stdout=log_file,
@@ -335,7 +336,7 @@ def plot(result: dict, path: Path) -> None:
 
 RUN_ARGS = (  # what makes arms comparable
     *("drafter", "target", "versions", "chunk", "epochs", "anchors", "eval_prompts"),
-    *("concurrency", "max_new_tokens", "dtype"),
+    *("concurrency", "max_new_tokens", "dtype", "replay"),
 )
 
 
@@ -369,6 +370,12 @@ def main() -> None:
     ap.add_argument("--versions", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=24, help="math prompts served per round")
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument(
+        "--replay",
+        type=int,
+        default=OnlineConfig().replay,
+        help="the trainer's replay window (trajectories of earlier rounds trained on again)",
+    )
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--eval-prompts", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)

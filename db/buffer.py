@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, Select, func, select, update
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
 from adaflash.engine.records import QueueSink, Record, RequestRecord, RoundRecord
 from db.models import RoundRow, TrajectoryRow
@@ -188,15 +189,24 @@ def count_unconsumed(engine: Engine, domain: str | None = None) -> int:
         return int(conn.execute(q).scalar_one())
 
 
+def _rows(engine: Engine, q: Select[TrajectoryRow]) -> list[TrajectoryRow]:
+    with Session(engine, expire_on_commit=False) as s:
+        return list(s.scalars(q))
+
+
 def unconsumed(engine: Engine, limit: int | None = None) -> list[TrajectoryRow]:
     """Oldest unconsumed trajectories first."""
     q = select(TrajectoryRow).where(TrajectoryRow.consumed_by.is_(None)).order_by(TrajectoryRow.seq)
-    if limit:
-        q = q.limit(limit)
-    from sqlalchemy.orm import Session
+    return _rows(engine, q.limit(limit) if limit else q)
 
-    with Session(engine, expire_on_commit=False) as s:
-        return list(s.scalars(q))
+
+def recently_consumed(engine: Engine, limit: int) -> list[TrajectoryRow]:
+    """The replay window: the ``limit`` latest trajectories that earlier rounds trained on,
+    oldest first."""
+    if limit <= 0:
+        return []
+    q = select(TrajectoryRow).where(TrajectoryRow.consumed_by.is_not(None))
+    return _rows(engine, q.order_by(TrajectoryRow.seq.desc()).limit(limit))[::-1]
 
 
 def mark_consumed(engine: Engine, seqs: list[int], run_id: int) -> int:

@@ -2,7 +2,8 @@
 
 1. take the oldest unconsumed trajectories (at most ``max_samples``); hold out the most recent
    ``holdout_fraction`` for the gate (they stay unconsumed and feed a later round);
-2. train the active version's drafter + head on the rest (``lightning_modules.train.fit``);
+2. train the active version's drafter + head on the rest plus the replay window, the ``replay``
+   latest trajectories earlier rounds trained on (``lightning_modules.train.fit``);
 3. publish the result as an immutable candidate version (atomic);
 4. gate: replay candidate and active drafters against the held-out trajectories' recorded target
    tokens (simulated acceptance, no generation, the same anchors for both); promote when the
@@ -26,7 +27,7 @@ from adaflash.config import DistillConfig
 from adaflash.distill import simulate_acceptance
 from adaflash.models.target import TargetModel
 from adaflash.workloads import Trajectory
-from db.buffer import mark_consumed, unconsumed
+from db.buffer import mark_consumed, recently_consumed, unconsumed
 from db.models import TrajectoryRow
 from db.registry import Registry
 from db.runs import finish_run
@@ -42,12 +43,15 @@ class OnlineConfig:
     min_samples: int = 8  # below this even an admin-triggered run refuses
     holdout_fraction: float = 0.125
     gate_margin: float = 0.0  # τ points the candidate must gain over the active version (≥)
+    replay: int = 0  # trajectories of earlier rounds trained on again with the new ones
     gate_anchors: int = 32
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         if self.min_new < 1 or self.min_samples < 2:
             raise ValueError("min_new must be ≥ 1 and min_samples ≥ 2")
+        if self.replay < 0:
+            raise ValueError("replay must be ≥ 0")
         if not 0.0 < self.holdout_fraction < 1.0:
             raise ValueError("holdout_fraction must be in (0, 1)")
 
@@ -128,18 +132,18 @@ def _round(
     parent = registry.active()
     if parent is None:
         raise RuntimeError("no active drafter version to train from")
+    replayed = recently_consumed(db, cfg.replay)  # consumed rows: never the held-out ones
     drafter = registry.load(parent.id, "float32")
-    result = fit(
-        drafter, target, [as_trajectory(r) for r in train_rows], None, cfg.distill, progress=False
-    )
+    data = [as_trajectory(r) for r in replayed + train_rows]
+    result = fit(drafter, target, data, None, cfg.distill, progress=False)
     summary = result.summary()
     candidate = registry.publish(
         result.drafter,
         parent=parent.id,
         loss=cfg.distill.loss,
-        samples=len(train_rows),
+        samples=len(data),
         data=(train_rows[0].seq, train_rows[-1].seq),
-        metrics={"train": summary, "settings": asdict(cfg.distill)},
+        metrics={"train": summary, "settings": asdict(cfg.distill), "replayed": len(replayed)},
     )
 
     # gate: simulated acceptance of candidate vs active on held-out recent trajectories
@@ -166,6 +170,7 @@ def _round(
     consumed = mark_consumed(db, [r.seq for r in train_rows], run_id)
     metrics = {
         "samples": consumed,
+        "replayed": len(replayed),
         "steps": result.steps,
         "gate": gate,
         "history": [{k: round(v, 4) for k, v in h.items()} for h in result.history],

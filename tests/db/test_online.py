@@ -13,6 +13,7 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+import lightning_modules.online
 from adaflash.config import DistillConfig, EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import MemorySink
@@ -78,6 +79,35 @@ def test_training_round_publishes_gates_and_consumes_exactly_the_trained_rows(db
     assert [r.consumed_by for r in rows] == [run] * 9 + [None] * 3  # held-out stay unconsumed
     assert (v.data_from, v.data_to) == (rows[0].seq, rows[8].seq)
     assert list_runs(db)[0].status == "succeeded" and list_runs(db)[0].steps > 0
+
+
+def test_a_round_trains_on_the_replay_window_too_and_consumes_only_its_new_rows(
+    db, online, tiny, monkeypatch
+):
+    """``replay``: a round trains on the latest rows earlier rounds consumed as well as on its
+    new ones, and marks only the new ones consumed (the held-out rows never enter the window)."""
+    registry, target = online
+    first = claim_run(db, "admin")
+    training_round(db, registry, target, FAST, first)  # seq 1–9 consumed, 10–12 held out
+    write_records(db, [replace(r, request_id=f"{r.request_id}-b") for r in tiny[2][:9]])
+    trained: list[list[str]] = []
+    fit = lightning_modules.online.fit
+
+    def spy(drafter, target, data, *a, **k):
+        trained.append([t.id for t in data])
+        return fit(drafter, target, data, *a, **k)
+
+    monkeypatch.setattr("lightning_modules.online.fit", spy)
+    second = claim_run(db, "admin")
+    out = training_round(db, registry, target, replace(FAST, replay=5), second)
+    with Session(db) as s:
+        rows = list(s.scalars(select(TrajectoryRow).order_by(TrajectoryRow.seq)))
+    # new rows: seq 10–21, the last 3 held out; the window: the 5 latest consumed, seq 5–9
+    assert trained == [[r.request_id for r in rows[4:18]]]
+    assert [r.consumed_by for r in rows] == [first] * 9 + [second] * 9 + [None] * 3
+    assert out.metrics["replayed"] == 5 and registry.get(out.version_id).samples == 14
+    with pytest.raises(ValueError, match="replay"):
+        OnlineConfig(replay=-1)
 
 
 def test_gate_rejects_a_worse_candidate(db, online):
