@@ -38,6 +38,7 @@ from adaflash.distill import replay
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import MemorySink, RequestRecord
 from adaflash.hardware import cpu_info
+from adaflash.models.drafter import load_drafter
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import REPO, repo_relative, write_text_atomic
 from adaflash.pull import cache_dir, resolve_target
@@ -133,15 +134,14 @@ def bootstrap_diff(a: list[list[int]], b: list[list[int]], draws: int = 2000) ->
     return [round(tau(a) - tau(b), 4), round(diffs[draws // 40], 4), round(diffs[-draws // 40], 4)]
 
 
-def run_arm(window: int, target, records, held, args: argparse.Namespace) -> dict:
+def run_arm(window: int, target, records, seqs, args: argparse.Namespace) -> dict:
+    """One arm; ``seqs``: the held-out sequences per domain, taught once for every arm."""
     work = Path(tempfile.mkdtemp(prefix=f"replay-{window}-"))
     db = make_engine(f"sqlite:///{work / 'buffer.db'}")
     migrate(db)
     registry = Registry(db, work / "weights")
     registry.register_folder(Path(args.drafter), "v0000", note="shipped chat + code drafter")
     cfg = OnlineConfig(min_new=args.chunk, max_samples=args.chunk, replay=window)
-    layers = registry.load("v0000").cfg.target_layer_ids
-    seqs = {d: cached(target, layers, rs) for d, rs in held.items()}
 
     def measure() -> dict:
         drafter = registry.load(registry.active().id)
@@ -219,7 +219,9 @@ def main() -> None:
     cache = cache_dir() / "bench" / f"replay-trajectories-{key}.json"
     records, held = trajectories(target, tok, args, cache)
     print(f"{len(records)} math train trajectories, held out {', '.join(held)}", flush=True)
-    arms = [run_arm(w, target, records, held, args) for w in args.replay]
+    layers = load_drafter(Path(args.drafter)).cfg.target_layer_ids
+    seqs = {d: cached(target, layers, rs) for d, rs in held.items()}
+    arms = [run_arm(w, target, records, seqs, args) for w in args.replay]
     result = {
         "benchmark": "bench/replay_window.py",
         "args": {**vars(args), "drafter": repo_relative(args.drafter)},
