@@ -12,7 +12,8 @@ Table 2). For each arm (OPD = AdaFlash's loss, OSD = forward-KL baseline) and ea
 4. the engine hot-swaps each promoted version (``VersionWatcher``) between steps;
 5. after every round, the serving drafter is measured on held-out eval prompts: τ with the
    ``fixed`` policy on math, chat and code (drafter quality; chat and code show forgetting), and
-   on math tokens/s with the default ``cost`` policy, and τ / tokens/s with the ``head`` policy
+   on math tokens/s with the default ``cost`` policy over plain decoding's, measured right
+   after it, at ``--concurrency`` and at one request, and τ / tokens/s with the ``head`` policy
    twice — the version's own (refitted) length head, and the head frozen at ``v0000``'s offline
    fit on the same drafter (the paper's Table 2 point).
 
@@ -31,6 +32,7 @@ and each arm's math gain and chat / code change against ``v0000``. Writes ``adap
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -73,15 +75,16 @@ def run_policy(
     prompts: list[list[int]],
     tok: Tokenizer,
     args: argparse.Namespace,
+    concurrency: int,
 ) -> dict:
-    """One eval pass: τ overall and per prompt, verify length, tokens/s."""
+    """One eval pass at ``concurrency``: τ overall and per prompt, verify length, tokens/s."""
     engine = Engine(
         target,
         drafter,
         EngineConfig(
             policy=policy if drafter is not None else "ar",
-            max_running_requests=args.concurrency,
-            max_batch_tokens=16 * args.concurrency,
+            max_running_requests=concurrency,
+            max_batch_tokens=16 * concurrency,
         ),
         drafter_version=version,
         eos_token_ids=tok.eos_token_ids,
@@ -109,18 +112,23 @@ def measure(
     args: argparse.Namespace,
 ) -> dict:
     """A version on the eval prompts: fixed-policy τ per domain; on math also the default
-    policy's tokens/s and the head policy with the version's head and with ``frozen``
+    policy's tokens/s beside plain decoding's, measured right after it (at ``--concurrency``
+    and at 1: on a CPU a verify pass costs more the more tokens are in it, so speculation pays
+    first at low concurrency), and the head policy with the version's head and with ``frozen``
     (v0000's, as fitted offline)."""
     drafter = registry.load(version, args.dtype)
+    c = args.concurrency
     out = {
-        f"{d}/fixed": run_policy(target, drafter, version, "fixed", prompts[d], tok, args)
+        f"{d}/fixed": run_policy(target, drafter, version, "fixed", prompts[d], tok, args, c)
         for d in EVAL_DOMAINS
     }
     math = prompts["math"]
-    out["math/cost"] = run_policy(target, drafter, version, "cost", math, tok, args)
-    out["math/head"] = run_policy(target, drafter, version, "head", math, tok, args)
+    for n, tag in ((c, ""), (1, "@1")):
+        out[f"math/cost{tag}"] = run_policy(target, drafter, version, "cost", math, tok, args, n)
+        out[f"math/ar{tag}"] = run_policy(target, None, version, "ar", math, tok, args, n)
+    out["math/head"] = run_policy(target, drafter, version, "head", math, tok, args, c)
     drafter.length_head = frozen  # the same drafter, the head as fitted offline
-    out["math/head-frozen"] = run_policy(target, drafter, version, "head", math, tok, args)
+    out["math/head-frozen"] = run_policy(target, drafter, version, "head", math, tok, args, c)
     return out
 
 
@@ -233,9 +241,29 @@ def brief(row: dict) -> str:
     cells = [f"{k.split('/')[0]} τ {row[k]['accept_len']:.3f}" for k in row if k.endswith("/fixed")]
     cells += [
         f"{k} {row[k]['tokens_per_s']:.1f} tok/s τ {row[k]['accept_len']:.3f}"
-        for k in ("math/cost", "math/head", "math/head-frozen")
+        for k in ("math/cost", "math/cost@1", "math/head", "math/head-frozen")
     ]
+    cells += [f"cost/ar {speedup(row, tag):.3f}" for tag in ("", "@1")]
     return f"{row['version']} ({row['status']}): " + ", ".join(cells)
+
+
+def speedup(row: dict, tag: str = "") -> float:
+    """The default policy's tokens/s over plain decoding's, measured right after it (``tag``
+    "" at ``--concurrency``, "@1" at one request)."""
+    return row[f"math/cost{tag}"]["tokens_per_s"] / row[f"math/ar{tag}"]["tokens_per_s"]
+
+
+def promoted_worse(versions: list[dict]) -> list[dict]:
+    """Rounds whose promoted version measured a lower math τ on the eval prompts than the
+    version it replaced (the gate decides on its own held-out rows; this checks it on others)."""
+    worse = []
+    for before, row in itertools.pairwise(versions):
+        if row["version"] != before["version"]:
+            tau = [[v["math/fixed"]["per_prompt"]] for v in (row, before)]
+            diff = bootstrap(*tau)
+            if diff[0] < 0:
+                worse.append({"round": row["round"], "version": row["version"], "tau_diff": diff})
+    return worse
 
 
 def bootstrap(
@@ -278,10 +306,15 @@ def summarize(arms: list[dict]) -> dict:
             row[f"{d}_tau_v0"] = round(base, 4)
             row[f"{d}_tau_last"] = round(sum(v[key]["accept_len"] for v in last) / len(last), 4)
             row[f"{d}_tau_change"] = [round(x / base, 4) for x in diff]  # relative, 95% interval
-        for key in ("math/cost", "math/head", "math/head-frozen"):
+        for key in ("math/cost", "math/ar", "math/cost@1", "math/ar@1"):
             row[f"{key}_tokens_per_s"] = [
                 [v[key]["tokens_per_s"] for v in r["versions"]] for r in runs
             ]
+        for tag in ("", "@1"):  # per repeat, per version
+            row[f"math/cost_over_ar{tag}"] = [
+                [round(speedup(v, tag), 3) for v in r["versions"]] for r in runs
+            ]
+        row["promoted_worse_on_eval"] = [promoted_worse(r["versions"]) for r in runs]
         row["head_refit_minus_frozen_tau"] = bootstrap(
             [v["math/head"]["per_prompt"] for v in last],
             [v["math/head-frozen"]["per_prompt"] for v in last],
@@ -315,16 +348,16 @@ def plot(result: dict, path: Path) -> None:
                 **style,
             )
             ax.set_title(f"{domain} τ (fixed k)")
-        axes[3].plot(
-            rounds,
-            [v["math/cost"]["tokens_per_s"] for v in arm["versions"]],
-            label=f"{label} (cost policy)",
-            **style,
-        )
-    ar = result.get("ar", {}).get("math/ar", {}).get("tokens_per_s")
-    if ar:
-        axes[3].axhline(ar, color="gray", ls="--", label="plain AR")
-    axes[3].set_title("math tokens/s, default policy")
+        for tag, ls in (("", "-"), ("@1", ":")):
+            axes[3].plot(
+                rounds,
+                [speedup(v, tag) for v in arm["versions"]],
+                label=f"{label}, {tag[1:] or result['args']['concurrency']} request(s)",
+                **style,
+                ls=ls,
+            )
+    axes[3].axhline(1.0, color="gray", ls="--", label="plain AR")
+    axes[3].set_title("math tokens/s, default policy ÷ plain AR")
     for ax in axes:
         ax.set_xlabel("training round (version)")
         ax.grid(alpha=0.3)
@@ -342,8 +375,8 @@ RUN_ARGS = (  # what makes arms comparable
 
 def resumed(path: Path, fresh: dict) -> dict:
     """The earlier result at ``path`` to go on from, if it ran with the same settings (its arms
-    kept; each arm names the machine and date it ran on), else ``fresh``. A run takes hours on
-    two cores: a session may end before it does."""
+    kept; each arm names the machine and date it ran on, and measured plain decoding beside
+    itself), else ``fresh``. A run takes hours on two cores: a session may end before it does."""
     if not path.is_file():
         return fresh
     old = json.loads(path.read_text())
@@ -351,14 +384,7 @@ def resumed(path: Path, fresh: dict) -> dict:
     if differ:
         raise SystemExit(f"{path} ran with other settings ({', '.join(differ)}): not resuming")
     print(f"resuming {path}: {len(old['arms'])} arm(s) kept", flush=True)
-    same_cpu = old.get("machine", {}).get("cpu") == fresh["machine"]["cpu"]
-    # plain decoding's tokens/s is this machine's: measured again on another CPU
-    return {
-        **fresh,
-        "arms": old["arms"],
-        "ar": old["ar"] if same_cpu else None,
-        "date": old["date"],
-    }
+    return {**fresh, "arms": old["arms"], "date": old["date"]}
 
 
 def main() -> None:
@@ -368,7 +394,7 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=["opd", "osd"])
     ap.add_argument("--repeats", type=int, default=2, help="seeds per arm (own prompt order)")
     ap.add_argument("--versions", type=int, default=5)
-    ap.add_argument("--chunk", type=int, default=24, help="math prompts served per round")
+    ap.add_argument("--chunk", type=int, default=96, help="math prompts served per round")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument(
         "--replay",
@@ -376,7 +402,7 @@ def main() -> None:
         default=OnlineConfig().replay,
         help="the trainer's replay window (trajectories of earlier rounds trained on again)",
     )
-    ap.add_argument("--anchors", type=int, default=16)
+    ap.add_argument("--anchors", type=int, default=64, help="the trainer's anchors a sequence")
     ap.add_argument("--eval-prompts", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -408,16 +434,12 @@ def main() -> None:
         "args": {**vars(args), "drafter": repo_relative(args.drafter)},
         "machine": {"platform": platform.platform(), "cpu": cpu_info(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "ar": None,
         "arms": [],
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.resume:
         result = resumed(out / "adapt.json", result)
-    if result["ar"] is None:
-        math_ar = run_policy(target, None, "none", "ar", eval_prompts["math"], tok, args)
-        result["ar"] = {"math/ar": math_ar}
     done = {(a["loss"], a["repeat"]) for a in result["arms"]}
     for repeat in range(args.repeats):  # arms interleaved: a slow phase hits both
         for loss in args.arms:

@@ -29,18 +29,21 @@ def test_bootstrap_interval_holds_the_difference_and_separates_clear_cases(adapt
     assert hi2 - lo2 > hi - lo
 
 
-def version(rnd, math, chat, code, tps=10.0):
+def version(rnd, math, chat, code, tps=10.0, active=None):
     def cell(values, t=tps):
         return {"accept_len": sum(values) / len(values), "tokens_per_s": t, "per_prompt": values}
 
     return {
         "round": rnd,
-        "version": f"v{rnd:04d}",
+        "version": active or f"v{rnd:04d}",
         "status": "active",
         "math/fixed": cell(math),
         "chat/fixed": cell(chat),
         "code/fixed": cell(code),
         "math/cost": cell(math),
+        "math/ar": cell([1.0], 8.0),
+        "math/cost@1": cell(math, 6.0),
+        "math/ar@1": cell([1.0], 5.0),
         "math/head": cell([m + 0.1 for m in math]),
         "math/head-frozen": cell(math),
     }
@@ -68,26 +71,33 @@ def test_summary_reports_gain_forgetting_and_arm_difference(adapt):
     assert s["opd_minus_osd_math_tau"][0] == pytest.approx(0.3)
     assert s["opd"]["head_refit_minus_frozen_tau"][0] == pytest.approx(0.1)
     assert s["opd"]["math/cost_tokens_per_s"] == [[10.0, 10.0], [10.0, 10.0]]
+    assert s["opd"]["math/cost_over_ar"] == [[1.25, 1.25], [1.25, 1.25]]  # 10 / 8
+    assert s["opd"]["math/cost_over_ar@1"] == [[1.2, 1.2], [1.2, 1.2]]  # 6 / 5
+    assert s["opd"]["promoted_worse_on_eval"] == [[], []]
+
+
+def test_promoted_worse_names_only_promotions_that_measured_lower(adapt):
+    versions = [
+        version(0, [1.4, 1.5], [1.5], [1.5]),
+        version(1, [1.6, 1.7], [1.5], [1.5]),  # promoted, better
+        version(2, [1.3, 1.2], [1.5], [1.5]),  # promoted, worse than v0001
+        version(3, [1.0, 1.0], [1.5], [1.5], active="v0002"),  # rejected: v0002 still serves
+    ]
+    worse = adapt.promoted_worse(versions)
+    assert [w["round"] for w in worse] == [2]
+    assert worse[0]["tau_diff"][0] == pytest.approx(-0.4)
 
 
 def test_resume_keeps_finished_arms_of_the_same_settings_only(adapt, tmp_path):
     args = {k: 1 for k in adapt.RUN_ARGS}
-    fresh = {"args": args, "ar": None, "arms": [], "date": "now", "machine": {"cpu": "b"}}
+    fresh = {"args": args, "arms": [], "date": "now", "machine": {"cpu": "b"}}
     path = tmp_path / "adapt.json"
     assert adapt.resumed(path, fresh) is fresh  # nothing to resume from
     arm = {"loss": "opd", "repeat": 0, "versions": [], "machine": {"cpu": "a"}}
-    earlier = {
-        **fresh,
-        "ar": {"math/ar": {}},
-        "arms": [arm],
-        "date": "then",
-        "machine": {"cpu": "a"},
-    }
+    earlier = {**fresh, "arms": [arm], "date": "then", "machine": {"cpu": "a"}}
     path.write_text(json.dumps(earlier))
-    got = adapt.resumed(path, fresh)  # another CPU: its arms kept, plain decoding measured again
-    assert got["arms"] == [arm] and got["ar"] is None and got["machine"] == {"cpu": "b"}
-    path.write_text(json.dumps({**earlier, "machine": {"cpu": "b"}}))
-    assert adapt.resumed(path, fresh)["ar"] == earlier["ar"]  # the same CPU: kept too
+    got = adapt.resumed(path, fresh)  # its arms kept (each names its machine), this machine's
+    assert got["arms"] == [arm] and got["date"] == "then" and got["machine"] == {"cpu": "b"}
     path.write_text(json.dumps({**earlier, "args": {**args, "chunk": 2}}))
     with pytest.raises(SystemExit, match="chunk"):
         adapt.resumed(path, fresh)
