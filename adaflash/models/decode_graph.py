@@ -83,7 +83,7 @@ from adaflash.pull import cache_dir
 if TYPE_CHECKING:
     from adaflash.models.kv_cache import KVCache
     from adaflash.models.layers import Packed
-    from adaflash.models.target import DecoderLayer, TargetModel
+    from adaflash.models.target import DecoderLayer, PackedBatch, TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -482,6 +482,10 @@ def module_guards_off(entries: list) -> list[bool]:
     return torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
 
 
+class GraphFailed(RuntimeError):
+    """A compiled step raised before it changed anything; its graph is gone, take the eager step."""
+
+
 class DecodeGraph:
     """Compiled steps, compiled one after another in a background thread. A graph is keyed by
     the layers it captures (none for plain decoding; the drafter's for speculative serving), by
@@ -686,6 +690,28 @@ class DecodeGraph:
                         times[k].append(1e3 * (time.perf_counter() - t0))
         return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
+    def run(
+        self, batch: PackedBatch, cache: KVCache, capture: tuple[int, ...]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``batch`` through the compiled step that takes it (one request; one token each of
+        several; a batched verification): every packed row's logits (Σ n, V), features or None,
+        and the last row of each request; all None where no graph takes it or its graph raised
+        (``_call``): then the eager step runs."""
+        lengths, slots, ids = batch.lengths, batch.slots, batch.input_ids
+        try:
+            if len(lengths) == 1 and self.ready(capture, lengths[0]):
+                rows, feats = self.step(ids, slots[0], cache, capture)
+                return rows, feats, rows[-1:]
+            if max(lengths) == 1 and self.batch_size(capture, len(lengths)):
+                rows, feats = self.step_batch(ids, slots, cache, capture)
+                return rows, feats, rows  # one token per request
+            if self.batch_verify(capture, lengths) is not None:
+                rows, feats = self.step_verify(ids, lengths, slots, cache, capture)
+                return rows, feats, rows[batch.ends.to(rows.device)]  # (B, V)
+        except GraphFailed:  # dropped before it wrote anything
+            pass
+        return None, None, None
+
     def step(
         self, ids: torch.Tensor, slot: int, cache: KVCache, capture: tuple[int, ...] = ()
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -695,7 +721,7 @@ class DecodeGraph:
         n = ids.shape[0]
         width = self.width(capture, n)
         assert width is not None, f"no compiled step for {n} tokens"
-        fn = self.graphs[(tuple(capture), width, 1)]
+        key = (tuple(capture), width, 1)
         cache.reserve(slot, n)
         row, pos = cache.row(slot), cache.length(slot)
         past = cache.data[row]  # (layers, 2, kv_heads, capacity, d) view
@@ -706,7 +732,8 @@ class DecodeGraph:
             ids = ids.to(self.target.device)
             if width > n:  # after the real tokens: the causal mask hides them from the real ones
                 ids = torch.cat([ids, ids[-1:].expand(width - n)])
-            logits, new_kv, features = fn(ids, torch.tensor([pos], device=ids.device), past)
+            pos_t = torch.tensor([pos], device=ids.device)
+            logits, new_kv, features = self._call(key, ids, pos_t, past)
         with torch.inference_mode():  # the pool is an inference tensor
             cache.data[row, :, :, :, pos : pos + n] = new_kv[:, :, :n].transpose(2, 3)
         cache.advance(slot, n)
@@ -742,6 +769,19 @@ class DecodeGraph:
         assert key is not None, f"no compiled batched verification for {lengths}"
         return self._step_many(key, ids, lengths, slots, cache)
 
+    def _call(self, key: Key, *inputs: torch.Tensor) -> tuple:
+        """``key``'s graph on ``inputs`` (it only reads them: the caller writes the cache after).
+        A graph that raises is dropped for good (``failed``; /metrics then says so) and
+        ``GraphFailed`` tells the caller to take the eager step: a request is never lost to a
+        compiled step (a demo run once lost two to a tracer error raised inside one)."""
+        try:
+            return self.graphs[key](*inputs)
+        except Exception as e:
+            self.graphs.pop(key, None)
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            log.warning("the compiled step %s raised; eager serves it from now on: %s", key, e)
+            raise GraphFailed(key) from e
+
     def _step_many(
         self,
         key: Key,  # a batched graph: (capture, width, size)
@@ -756,7 +796,6 @@ class DecodeGraph:
         dropped. Writes the real tokens' keys/values; returns their logits and features in
         packed order."""
         _, width, size = key
-        fn = self.graphs[key]
         for s, n in zip(slots, lengths, strict=True):
             cache.reserve(s, n)  # may grow the pool: read cache.data after
         rows = [cache.row(s) for s in slots]
@@ -777,10 +816,12 @@ class DecodeGraph:
             pos_t = torch.tensor(pos + pos[:1] * pad, device=dev)
             ids_t = torch.tensor(grid, device=dev)  # (size, width)
             if width == 1:  # a decode graph: (size,) in, (layers, 2, size, kv_heads, d) out
-                logits, new_kv, features = fn(ids_t.view(size), rows_t, pos_t, cache.data)
+                logits, new_kv, features = self._call(
+                    key, ids_t.view(size), rows_t, pos_t, cache.data
+                )
                 new_kv = new_kv.unsqueeze(3)
             else:
-                logits, new_kv, features = fn(ids_t, rows_t, pos_t, cache.data)
+                logits, new_kv, features = self._call(key, ids_t, rows_t, pos_t, cache.data)
         b_t, t_t = torch.tensor(b_idx, device=dev), torch.tensor(t_idx, device=dev)  # (Σ n,)
         real = b_t * width + t_t  # the real tokens' rows of the (size·width) outputs
         with torch.inference_mode():  # token (b, t) goes to (rows[b], pos[b] + t)

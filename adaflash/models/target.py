@@ -217,18 +217,7 @@ class TargetModel(nn.Module):
         """
         graph = self.decode_graph
         if graph is not None and not (isinstance(logits, str) and logits == "none"):
-            rows: torch.Tensor | None = None
-            if len(batch.lengths) == 1 and graph.ready(capture_layers, batch.lengths[0]):
-                rows, feats = graph.step(batch.input_ids, batch.slots[0], cache, capture_layers)
-                last = rows[-1:]
-            elif max(batch.lengths) == 1 and graph.batch_size(capture_layers, len(batch.lengths)):
-                rows, feats = graph.step_batch(batch.input_ids, batch.slots, cache, capture_layers)
-                last = rows  # one token per request
-            elif graph.batch_verify(capture_layers, batch.lengths) is not None:
-                rows, feats = graph.step_verify(
-                    batch.input_ids, batch.lengths, batch.slots, cache, capture_layers
-                )
-                last = rows[batch.ends.to(rows.device)]  # (B, V)
+            rows, feats, last = graph.run(batch, cache, capture_layers)
             if rows is not None:  # a compiled step ran
                 if isinstance(logits, torch.Tensor):
                     picked = rows[logits.to(rows.device)] if logits.numel() else None

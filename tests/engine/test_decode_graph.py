@@ -517,6 +517,41 @@ def test_a_graph_that_fails_to_compile_leaves_the_eager_step(tiny, monkeypatch):
     assert out.logits is not None and graph.steps == 0
 
 
+def test_a_compiled_step_that_raises_is_dropped_and_the_eager_step_serves_it(tiny):
+    """A graph that raises when called (a tracer error once failed two demo requests) costs
+    the step nothing: the eager step serves it exactly, and that graph is never called again."""
+    folder, _, _ = tiny
+    target, plain = load_target(folder, "float32"), load_target(folder, "float32")
+    graph = DecodeGraph(target)
+    target.decode_graph = graph
+    calls: list[int] = []
+
+    def broken(*inputs):
+        calls.append(len(inputs))
+        raise NameError("module is not installed as a submodule")
+
+    graph.graphs = {((), 1, 1): broken, ((), 1, 4): broken}
+    caches = [target.new_cache(), plain.new_cache()]
+    slots = [[c.allocate() for _ in range(2)] for c in caches]
+    steps = [  # (ids, lengths): both requests' prompts, one alone, then both a token each
+        (torch.tensor([5, 6, 7, 8, 9]), (2, 3)),
+        (torch.tensor([11]), (1,)),
+        (torch.tensor([12, 13]), (1, 1)),
+        (torch.tensor([14]), (1,)),
+    ]
+    for ids, lengths in steps:
+        outs = [
+            m(PackedBatch(ids, tuple(s[: len(lengths)]), lengths), c, logits="all")
+            for m, c, s in zip((target, plain), caches, slots, strict=True)
+        ]
+        assert torch.equal(outs[0].logits, outs[1].logits)
+    assert calls == [3, 4]  # each graph tried once, then dropped
+    assert not graph.graphs and set(graph.failed) == {((), 1, 1), ((), 1, 4)}
+    assert "NameError" in graph.failed[((), 1, 1)] and graph.status() == "failed"
+    assert graph.steps == 0
+    assert [caches[0].length(s) for s in slots[0]] == [caches[1].length(s) for s in slots[1]]
+
+
 def test_engine_asks_for_the_graph_only_when_configured(tiny, monkeypatch):
     folder, _, _ = tiny
     target = load_target(folder, "float32")
