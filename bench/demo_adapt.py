@@ -17,12 +17,13 @@ Table 2). For each arm (OPD = AdaFlash's loss, OSD = forward-KL baseline) and ea
    twice — the version's own (refitted) length head, and the head frozen at ``v0000``'s offline
    fit on the same drafter (the paper's Table 2 point).
 
-Serving and training are serialized here (serve a chunk, then wait for the round) so the per-
-version numbers are not disturbed by the trainer sharing the two CPU cores; ``adaflash serve``
-runs them concurrently (``adaflash demo`` shows that live). Per-prompt τ is kept, so the summary
-gives OPD − OSD at the last version with a 95% bootstrap interval over (repeat, prompt) units,
-and each arm's math gain and chat / code change against ``v0000``. Writes ``adapt.json`` and
-``adapt.png`` under ``--out``.
+Every engine runs the compiled decode and verify steps ``serve`` runs (built before anything is
+timed; ``--no-compile``: eager). Serving and training are serialized here (serve a chunk, then
+wait for the round) so the per-version numbers are not disturbed by the trainer sharing the two
+CPU cores; ``adaflash serve`` runs them concurrently (``adaflash demo`` shows that live).
+Per-prompt τ is kept, so the summary gives OPD − OSD at the last version with a 95% bootstrap
+interval over (repeat, prompt) units, and each arm's math gain and chat / code change against
+``v0000``. Writes ``adapt.json`` and ``adapt.png`` under ``--out``.
 
     python bench/demo_adapt.py --out docs/results/adapt           # hours on two CPU cores
     python bench/demo_adapt.py --quick --out /tmp/adapt-smoke     # the pipeline, minutes
@@ -50,7 +51,8 @@ from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import QueueSink
 from adaflash.hardware import cpu_info
-from adaflash.models.drafter import DFlashDrafter
+from adaflash.models.decode_graph import batch_sizes, compile_now
+from adaflash.models.drafter import DFlashDrafter, load_drafter
 from adaflash.models.length_head import LengthHead
 from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import REPO, repo_relative, write_text_atomic
@@ -85,6 +87,7 @@ def run_policy(
             policy=policy if drafter is not None else "ar",
             max_running_requests=concurrency,
             max_batch_tokens=16 * concurrency,
+            compile=args.compile,
         ),
         drafter_version=version,
         eos_token_ids=tok.eos_token_ids,
@@ -157,6 +160,7 @@ def run_arm(
             policy="head" if loss == "opd" else "fixed",
             max_running_requests=args.concurrency,
             max_batch_tokens=16 * args.concurrency,
+            compile=args.compile,
         ),
         sink=sink,
         drafter_version="v0000",
@@ -369,7 +373,7 @@ def plot(result: dict, path: Path) -> None:
 
 RUN_ARGS = (  # what makes arms comparable
     *("drafter", "target", "versions", "chunk", "epochs", "anchors", "eval_prompts"),
-    *("concurrency", "max_new_tokens", "dtype", "replay"),
+    *("concurrency", "max_new_tokens", "dtype", "replay", "compile"),
 )
 
 
@@ -408,6 +412,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--round-timeout-min", type=float, default=40)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="eager steps (serve compiles them: tokens/s then is not serve's)",
+    )
     ap.add_argument("--quick", action="store_true", help="1 repeat, 1 version, 2 eval prompts")
     ap.add_argument("--out", default="docs/results/adapt")
     ap.add_argument(
@@ -422,6 +432,11 @@ def main() -> None:
     target_dir = resolve_target(args.target)
     target = load_target(target_dir, args.dtype)
     tok = Tokenizer.from_folder(target_dir)
+    capture = tuple(load_drafter(Path(args.drafter), "float32").cfg.target_layer_ids)
+    # the graphs `serve` compiles in the background, built here before anything is timed
+    compile_s = (
+        compile_now(target, [(), capture], batch_sizes(args.concurrency)) if args.compile else {}
+    )
     eval_prompts = {
         d: [
             encode_prompt(tok, p.prompt, chat=True)
@@ -434,6 +449,7 @@ def main() -> None:
         "args": {**vars(args), "drafter": repo_relative(args.drafter)},
         "machine": {"platform": platform.platform(), "cpu": cpu_info(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "compile_s": compile_s,
         "arms": [],
     }
     out = Path(args.out)
