@@ -12,6 +12,7 @@ A window is the difference of two snapshots (``later - earlier``), never a lifet
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -131,3 +132,19 @@ class Bucket:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def probe_buckets(
+    probes: Iterable[tuple[float, int, int]], block_size: int, bucket_s: int
+) -> list[Bucket]:
+    """Answered probes (unix time, draft slots compared, accepted) per time bucket, each counted
+    as the round it stands for — its whole shadow block verified — so a bucket's ``accept_len``
+    is the τ the drafter would have reached verifying whole blocks, drafting or not."""
+    sums: dict[int, list[int]] = {}
+    for ts, compared, accepted in probes:
+        n = sums.setdefault(int(ts) // bucket_s, [0, 0, 0])
+        n[0], n[1], n[2] = n[0] + 1, n[1] + compared, n[2] + accepted
+    return [
+        Bucket(float(b * bucket_s), SpecCounters.from_totals(block_size, *n), 0, float(bucket_s))
+        for b, n in sorted(sums.items())
+    ]

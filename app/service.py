@@ -37,7 +37,7 @@ from adaflash.config import (
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import QueueSink
 from adaflash.engine.runner import EngineRunner
-from adaflash.metrics import Bucket, SpecCounters
+from adaflash.metrics import Bucket, SpecCounters, probe_buckets
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.target import load_target
 from adaflash.pull import resolve_target
@@ -132,6 +132,7 @@ class Dashboard:
     slots: SpecCounters
     per_domain: dict[str, SpecCounters]
     runs: list[Any]  # training runs, newest first
+    probes: list[Bucket] = field(default_factory=list)  # the cost policy's probes (drafter τ)
 
     @property
     def total(self) -> SpecCounters:
@@ -455,14 +456,16 @@ class Service:
     def dashboard(self, window_s: float, now: float | None = None) -> Dashboard:
         now = now or time.time()
         block = self.backend.block_size
+        bucket_s = max(5, int(window_s) // 40)
         return Dashboard(
             window_s,
             now,
-            stats.timeline(self.db, window_s, bucket_s=max(5, int(window_s) // 40), now=now),
+            stats.timeline(self.db, window_s, bucket_s=bucket_s, now=now),
             stats.version_starts(self.db, window_s, now=now),
             stats.slot_acceptance(self.db, window_s, block, now=now),
             stats.by_domain(self.db, window_s, now=now),
             list_runs(self.db, 20),
+            probe_buckets(self.backend.probes(now - window_s), block, bucket_s),
         )
 
     def remove_data(self) -> None:  # used by tests that build throwaway services

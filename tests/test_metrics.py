@@ -1,4 +1,4 @@
-from adaflash.metrics import SpecCounters, speedup
+from adaflash.metrics import SpecCounters, probe_buckets, speedup
 
 
 def test_counters_and_derived_rates():
@@ -24,3 +24,14 @@ def test_window_is_difference_of_snapshots():
 
 def test_speedup_ratio():
     assert speedup(30.0, 20.0) == 1.5 and speedup(1.0, 0.0) == 0.0
+
+
+def test_probe_buckets_count_each_probe_as_the_round_it_stands_for():
+    # (unix time, slots compared, accepted): two probes in the 10 s bucket at 100, one at 120
+    probes = [(101.0, 4, 3), (109.9, 15, 15), (125.0, 2, 0)]
+    first, second = probe_buckets(probes, 16, 10)
+    assert (first.start, second.start) == (100.0, 120.0)
+    assert first.counters.rounds == 2 and first.counters.verified == 19
+    assert first.counters.accept_len == (2 + 18) / 2  # τ had each whole block been verified
+    assert second.counters.accept_len == 1.0 and second.tokens_per_s == 0.0
+    assert probe_buckets([], 16, 10) == []

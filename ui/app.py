@@ -117,6 +117,12 @@ def build_ui(service: Service) -> gr.Blocks:
             f"{service.sink.dropped} · trainer "
             f"{'up' if service.trainer_alive() else 'not running'}"
         )
+        probed = sum((p.counters for p in d.probes), SpecCounters(total.block_size))
+        if probed.rounds:
+            summary += (
+                f"  \ndrafter τ on whole blocks, from {probed.rounds} probes (shadow drafts the"
+                f" cost policy checks against what the target committed): {probed.accept_len:.2f}"
+            )
         cost = b.cost_snapshot()
         if cost is not None:
             summary += (
@@ -142,7 +148,7 @@ def build_ui(service: Service) -> gr.Blocks:
         ]
         return (
             summary,
-            charts.timeline(d.buckets, d.versions, d.now),
+            charts.timeline(d.buckets, d.versions, d.now, d.probes),
             charts.throughput(d.buckets, d.versions, d.now),
             charts.slots(d.slots),
             charts.domains(d.per_domain),

@@ -32,13 +32,29 @@ def _empty(ax: Any, text: str = "no rounds in this window yet") -> None:
 
 
 def timeline(
-    buckets: list[Bucket], versions: list[tuple[float, str]], now: float | None = None
+    buckets: list[Bucket],
+    versions: list[tuple[float, str]],
+    now: float | None = None,
+    probes: list[Bucket] | None = None,
 ) -> Figure:
+    """Served τ and verify length per bucket, and — where the cost policy probed — the τ its
+    probes measured for whole blocks: how good the drafter is, whether or not it pays to draft
+    (a drafter learning a new domain shows there first)."""
     now = now or time.time()
     fig, ax = _figure("acceptance length τ and verify length (windowed)")
-    if not buckets:
+    if not buckets and not probes:
         _empty(ax)
         return fig
+    if probes:
+        ax.plot(
+            [(b.start - now) / 60 for b in probes],
+            [b.counters.accept_len for b in probes],
+            color=BLUE,
+            ls=":",
+            marker="^",
+            ms=3,
+            label="drafter τ, whole blocks (probes)",
+        )
     x = [(b.start - now) / 60 for b in buckets]
     ax.plot(
         x,

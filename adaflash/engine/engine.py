@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 # oneDNN (bf16 matmuls on a CPU) caches a primitive per input shape, 1024 by default; packed
 # batches change shape every step, so a serving process slowly fills that cache (measured:
 # +100 MB of RSS over 5 minutes at 32 concurrent streams). A smaller cache bounds it.
+PROBE_LOG = 100_000  # answered probes kept (~a day of serving at the policy's probe share)
 ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 ONEDNN_CACHE_DEFAULT = "256"
 
@@ -160,6 +161,9 @@ class Engine:
         self.cost = CostModel()
         self.counters = SpecCounters(self.block_size)
         self.stats = EngineStats()
+        # each answered probe: (unix time, slots compared, accepted), the newest PROBE_LOG —
+        # what the drafter would have given had it been verified (the dashboard's drafter τ)
+        self.probe_log: deque[tuple[float, int, int]] = deque(maxlen=PROBE_LOG)
         self.admission = Admission(
             cfg.max_batch_tokens,
             cfg.ema_beta,
@@ -440,6 +444,7 @@ class Engine:
             self.stats.probes += 1
             self.stats.probe_slots += compared
             self.stats.probe_accepted += accepted
+            self.probe_log.append((time.time(), compared, accepted))
 
     def _guarded(self, r: Request, fn: Callable[[], int]) -> int | None:
         """Run one request's part of a step (a callback may raise): an exception ends that

@@ -167,6 +167,10 @@ class EngineRunner:
             "queue_steps_gained": st.queue_gained,
         }
 
+    def probes(self, since: float) -> list[tuple[float, int, int]]:
+        log = list(self.engine.probe_log)  # one copy (a C-level call): the loop appends to it
+        return [p for p in log if p[0] >= since]
+
     def compiled_decode(self) -> tuple[str, int]:
         graph = self.engine.target.decode_graph
         return (graph.status(), graph.steps) if graph is not None else ("off", 0)

@@ -73,6 +73,11 @@ class Backend(Protocol):
         drafting steps against those they committed (None where no cost policy plans)."""
         ...
 
+    def probes(self, since: float) -> list[tuple[float, int, int]]:
+        """The cost policy's answered probes since ``since`` (unix time): (time, draft slots
+        compared, accepted) each; none where no cost policy probes."""
+        ...
+
     def compiled_decode(self) -> tuple[str, int]:
         """The compiled batch-1 step: ('ready' | 'compiling' | 'failed' | 'off', steps it ran)."""
         ...

@@ -251,6 +251,9 @@ class SGLangBackend:
     def policy_check(self) -> dict[str, float] | None:
         return None
 
+    def probes(self, since: float) -> list[tuple[float, int, int]]:
+        return []
+
     def compiled_decode(self) -> tuple[str, int]:
         return "off", 0  # SGLang runs its own kernels
 

@@ -1,6 +1,7 @@
 """Greedy speculative output equals Hugging Face ``generate(do_sample=False)`` in fp32."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -148,6 +149,10 @@ def test_probes_are_shadow_drafts_answered_by_what_the_target_commits(
         left = NEW - start  # tokens the request committed after the probe
         assert (compared, accepted) == ((miss, miss - 1) if miss <= left else (left, left))
     assert any(accepted > 3 for *_, accepted in answers)  # whole runs measured, not 3 slots
+    # the dashboard's log of them: each answer once, in order, timed
+    assert [(c, a) for _, c, a in engine.probe_log] == [(c, a) for *_, c, a in answers]
+    stamps = [t for t, *_ in engine.probe_log]
+    assert stamps == sorted(stamps) and stamps[-1] <= time.time()
 
 
 def test_a_probes_slots_join_the_profile_as_tokens_decide_them(tiny, references):

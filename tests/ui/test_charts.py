@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adaflash.metrics import SpecCounters
+from adaflash.metrics import Bucket, SpecCounters
 from ui import charts
 
 
@@ -20,3 +20,14 @@ def test_slot_chart_explains_an_empty_window():
     some.add_round(verify_len=4, accepted=2, drafted=15)
     fig = charts.slots(some)
     assert texts(fig) == "" and len(fig.axes[0].lines) == 1
+
+
+def test_timeline_draws_the_probes_drafter_tau_even_with_no_drafting_rounds():
+    now = 1000.0
+    assert "no rounds in this window yet" in texts(charts.timeline([], [], now))
+    probed = [Bucket(940.0, SpecCounters.from_totals(16, 4, 20, 6), 0, 30.0)]
+    fig = charts.timeline([], [(900.0, "v0000"), (950.0, "v0001")], now, probed)
+    (line,) = fig.axes[0].lines[:1]
+    assert line.get_label() == "drafter τ, whole blocks (probes)"
+    assert list(line.get_ydata()) == [2.5] and list(line.get_xdata()) == [-1.0]
+    assert "v0001" in texts(fig)  # the version marker drawn over it
