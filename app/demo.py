@@ -39,9 +39,10 @@ from adaflash.workloads import WORKLOADS_DIR, read_prompt_file
 from app.serve_process import alive, wait_until_up
 
 DEFAULT_PROMPTS = WORKLOADS_DIR / "math_train.jsonl"
-# how a server the demo starts trains: a round per 24 new trajectories, two epochs (a few
-# minutes a round on two CPU cores), as in bench/demo_adapt.py
-TRAINING_FLAGS = ("--min-new", "24", "--epochs", "2", "--anchors", "16")
+# how a server the demo starts trains: a round per 96 new trajectories, two epochs, 64 anchors
+# a sequence, as bench/demo_adapt.py does by default (rounds of 24 and 16 anchors moved math τ
+# half as far: docs/results/adapt/zen4_1206_opd_chunk24)
+TRAINING_FLAGS = ("--min-new", "96", "--epochs", "2", "--anchors", "64")
 
 
 @dataclass(frozen=True)
