@@ -95,14 +95,24 @@ def run_policy(
     t0 = time.perf_counter()
     records = engine.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
     wall = time.perf_counter() - t0
-    c = engine.counters
-    return {
+    c, st = engine.counters, engine.stats
+    out = {
         "accept_len": round(c.accept_len, 4),
         "verify_len": round(c.verify_len, 4),
-        "tokens_per_s": round(engine.stats.output_tokens / wall, 2),
+        "tokens_per_s": round(st.output_tokens / wall, 2),
         # τ of each prompt: the unit the bootstrap resamples
         "per_prompt": [round((r.accepted + r.rounds) / max(r.rounds, 1), 4) for r in records],
     }
+    if policy == "cost":  # what it decided from: its probes' whole-block τ and its prices
+        out["probes"] = st.probes
+        out["probed_tau"] = round(1 + st.probe_accepted / st.probes, 4) if st.probes else None
+        prices = engine.cost.snapshot()
+        out["cost_model_ms"] = {
+            k: round(v, 3)
+            for k, v in prices.items()
+            if k.startswith(("drafter_", "target_1req_", "target_plain_"))
+        }
+    return out
 
 
 def measure(

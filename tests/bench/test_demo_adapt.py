@@ -101,3 +101,25 @@ def test_resume_keeps_finished_arms_of_the_same_settings_only(adapt, tmp_path):
     path.write_text(json.dumps({**earlier, "args": {**args, "chunk": 2}}))
     with pytest.raises(SystemExit, match="chunk"):
         adapt.resumed(path, fresh)
+
+
+def test_an_eval_pass_of_the_cost_policy_reports_its_probes_and_prices(adapt, tmp_path):
+    """``run_policy`` on a tiny model, eager: τ per prompt, tokens/s, and for ``cost`` what it
+    decided from (probes, their whole-block τ, the drafter's and plain steps' prices)."""
+    from types import SimpleNamespace
+
+    from adaflash.models.target import load_target
+    from tests.engine.conftest import random_drafter
+    from tests.tiny import build_checkpoint
+
+    target = load_target(build_checkpoint(tmp_path, "llama", seed=11, layers=6), "float32")
+    args = SimpleNamespace(compile=False, max_new_tokens=12)
+    tok = SimpleNamespace(eos_token_ids=())
+    prompts = [[5, 6, 7], [10, 11, 12, 13]]
+    drafter = random_drafter(target)
+    cost = adapt.run_policy(target, drafter, "v0", "cost", prompts, tok, args, 2)
+    assert len(cost["per_prompt"]) == 2 and cost["tokens_per_s"] > 0
+    assert cost["probes"] >= 0 and "drafter_base_ms" in cost["cost_model_ms"]
+    assert cost["probed_tau"] is None or cost["probed_tau"] >= 1.0
+    plain = adapt.run_policy(target, None, "v0", "ar", prompts, tok, args, 1)
+    assert plain["accept_len"] == 1.0 and "probes" not in plain
