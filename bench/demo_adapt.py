@@ -314,12 +314,13 @@ def summarize(arms: list[dict]) -> dict:
         for d in EVAL_DOMAINS:
             key = f"{d}/fixed"
             base = sum(v[key]["accept_len"] for v in first) / len(first)
-            diff = bootstrap(
-                [v[key]["per_prompt"] for v in last], [v[key]["per_prompt"] for v in first]
-            )
-            row[f"{d}_tau_v0"] = round(base, 4)
+            before = [v[key]["per_prompt"] for v in first]
+            diff = bootstrap([v[key]["per_prompt"] for v in last], before)
+            row[f"{d}_tau_v0"] = round(base, 4)  # τ pooled over each pass's rounds
             row[f"{d}_tau_last"] = round(sum(v[key]["accept_len"] for v in last) / len(last), 4)
-            row[f"{d}_tau_change"] = [round(x / base, 4) for x in diff]  # relative, 95% interval
+            # the mean of per-prompt τ (the bootstrap's unit) moved by this share, 95% interval
+            per_prompt_base = sum(map(sum, before)) / sum(map(len, before))
+            row[f"{d}_tau_change"] = [round(x / per_prompt_base, 4) for x in diff]
         for key in ("math/cost", "math/ar", "math/cost@1", "math/ar@1"):
             row[f"{key}_tokens_per_s"] = [
                 [v[key]["tokens_per_s"] for v in r["versions"]] for r in runs

@@ -123,3 +123,12 @@ def test_an_eval_pass_of_the_cost_policy_reports_its_probes_and_prices(adapt, tm
     assert cost["probed_tau"] is None or cost["probed_tau"] >= 1.0
     plain = adapt.run_policy(target, None, "v0", "ar", prompts, tok, args, 1)
     assert plain["accept_len"] == 1.0 and "probes" not in plain
+
+
+def test_the_relative_change_is_over_the_same_per_prompt_mean_it_resamples(adapt):
+    first = version(0, [1.0, 2.0], [1.5], [1.5])
+    first["math/fixed"]["accept_len"] = 1.2  # pooled over rounds: long prompts weigh more
+    last = version(1, [1.3, 2.3], [1.5], [1.5])
+    s = adapt.summarize([{"loss": "opd", "repeat": 0, "versions": [first, last]}])["opd"]
+    assert s["math_tau_v0"] == 1.2
+    assert s["math_tau_change"][0] == pytest.approx(0.3 / 1.5)  # not 0.3 / 1.2
