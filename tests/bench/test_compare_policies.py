@@ -216,7 +216,9 @@ def test_lockstep_serves_each_engine_its_prompts_and_times_only_its_own_steps(
     fixed.step = logged("fixed", fixed.step)  # type: ignore[method-assign]
     profiles: dict = {}  # each engine's steps under a cProfile of its own (profile_study.py)
     engines = {(None, "ar"): slow, ("random", "fixed"): fixed}
+    t0 = time.perf_counter()
     runs = compare.run_lockstep(engines, prompts, params, profiles=profiles)
+    wall = time.perf_counter() - t0
     slept = {  # seconds in time.sleep inside each engine's steps
         key: sum(
             v[2]
@@ -234,7 +236,9 @@ def test_lockstep_serves_each_engine_its_prompts_and_times_only_its_own_steps(
         assert run["output_tokens"] == 3 * 12 and run["_outputs"] == want
     seconds = {key: run["output_tokens"] / run["tokens_per_s"] for key, run in runs.items()}
     assert seconds[(None, "ar")] >= 0.1 * 12  # its own twelve or more steps, each slept
-    assert seconds[("random", "fixed")] < 0.1 * 12  # none of the other's sleeps
+    # none of the other's sleeps: what the run took less the ar engine's sleeps bounds it (a
+    # bound that holds on a loaded machine too: a fixed 1.2 s once failed beside a benchmark)
+    assert seconds[("random", "fixed")] < wall - slept[(None, "ar")]
 
 
 @pytest.mark.parametrize("engine", ["OracleDrafterEngine", "OracleLengthEngine"])
