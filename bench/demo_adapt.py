@@ -443,11 +443,6 @@ def main() -> None:
     target_dir = resolve_target(args.target)
     target = load_target(target_dir, args.dtype)
     tok = Tokenizer.from_folder(target_dir)
-    capture = tuple(load_drafter(Path(args.drafter), "float32").cfg.target_layer_ids)
-    # the graphs `serve` compiles in the background, built here before anything is timed
-    compile_s = (
-        compile_now(target, [(), capture], batch_sizes(args.concurrency)) if args.compile else {}
-    )
     eval_prompts = {
         d: [
             encode_prompt(tok, p.prompt, chat=True)
@@ -460,7 +455,7 @@ def main() -> None:
         "args": {**vars(args), "drafter": repo_relative(args.drafter)},
         "machine": {"platform": platform.platform(), "cpu": cpu_info(), "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "compile_s": compile_s,
+        "compile_s": {},
         "arms": [],
     }
     out = Path(args.out)
@@ -468,16 +463,20 @@ def main() -> None:
     if args.resume:
         result = resumed(out / "adapt.json", result)
     done = {(a["loss"], a["repeat"]) for a in result["arms"]}
-    for repeat in range(args.repeats):  # arms interleaved: a slow phase hits both
-        for loss in args.arms:
-            if (loss, repeat) in done:
-                continue
-            arm = run_arm(loss, repeat, target_dir, target, tok, eval_prompts, args)
-            arm |= {"machine": result["machine"], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-            result["arms"].append(arm)
-            result["summary"] = summarize(result["arms"])
-            # replaced whole: a run killed mid-write keeps the last arm's file
-            write_text_atomic(out / "adapt.json", json.dumps(result, indent=1) + "\n")
+    # arms interleaved: a slow phase hits both
+    todo = [(loss, r) for r in range(args.repeats) for loss in args.arms if (loss, r) not in done]
+    if todo and args.compile:  # the graphs `serve` compiles in the background, built here first
+        capture = tuple(load_drafter(Path(args.drafter), "float32").cfg.target_layer_ids)
+        batches = batch_sizes(args.concurrency)
+        result["compile_s"] = compile_now(target, [(), capture], batches)
+    for loss, repeat in todo:
+        arm = run_arm(loss, repeat, target_dir, target, tok, eval_prompts, args)
+        arm |= {"machine": result["machine"], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        result["arms"].append(arm)
+        result["summary"] = summarize(result["arms"])
+        # replaced whole: a run killed mid-write keeps the last arm's file
+        write_text_atomic(out / "adapt.json", json.dumps(result, indent=1) + "\n")
+    result["summary"] = summarize(result["arms"])  # (a resumed run may have had nothing left)
     plot(result, out / "adapt.png")
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {out / 'adapt.json'} and {out / 'adapt.png'}")
