@@ -139,6 +139,11 @@ class Dashboard:
         return sum((b.counters for b in self.buckets), SpecCounters(self.slots.block_size))
 
     @property
+    def probed(self) -> SpecCounters:
+        """The window's probes, each counted as the round it stands for (whole-block τ)."""
+        return sum((b.counters for b in self.probes), SpecCounters(self.slots.block_size))
+
+    @property
     def busy_tokens_per_s(self) -> float:
         seconds = sum(b.seconds for b in self.buckets)  # only buckets that saw rounds
         return sum(b.tokens for b in self.buckets) / seconds if seconds else 0.0

@@ -51,6 +51,7 @@ from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import QueueSink
 from adaflash.hardware import cpu_info
+from adaflash.metrics import SpecCounters, speedup
 from adaflash.models.decode_graph import batch_sizes, compile_now
 from adaflash.models.drafter import DFlashDrafter, load_drafter
 from adaflash.models.length_head import LengthHead
@@ -104,8 +105,11 @@ def run_policy(
         "per_prompt": [round((r.accepted + r.rounds) / max(r.rounds, 1), 4) for r in records],
     }
     if policy == "cost":  # what it decided from: its probes' whole-block τ and its prices
+        probed = SpecCounters.from_totals(
+            engine.block_size, st.probes, st.probe_slots, st.probe_accepted
+        )  # each probe the round it stands for (``adaflash.metrics.probe_buckets``)
         out["probes"] = st.probes
-        out["probed_tau"] = round(1 + st.probe_accepted / st.probes, 4) if st.probes else None
+        out["probed_tau"] = round(probed.accept_len, 4) if st.probes else None
         prices = engine.cost.snapshot()
         out["cost_model_ms"] = {
             k: round(v, 3)
@@ -257,14 +261,14 @@ def brief(row: dict) -> str:
         f"{k} {row[k]['tokens_per_s']:.1f} tok/s τ {row[k]['accept_len']:.3f}"
         for k in ("math/cost", "math/cost@1", "math/head", "math/head-frozen")
     ]
-    cells += [f"cost/ar {speedup(row, tag):.3f}" for tag in ("", "@1")]
+    cells += [f"cost/ar {cost_over_ar(row, tag):.3f}" for tag in ("", "@1")]
     return f"{row['version']} ({row['status']}): " + ", ".join(cells)
 
 
-def speedup(row: dict, tag: str = "") -> float:
-    """The default policy's tokens/s over plain decoding's, measured right after it (``tag``
-    "" at ``--concurrency``, "@1" at one request)."""
-    return row[f"math/cost{tag}"]["tokens_per_s"] / row[f"math/ar{tag}"]["tokens_per_s"]
+def cost_over_ar(row: dict, tag: str = "") -> float:
+    """The default policy's speedup over plain decoding measured right after it (``tag`` "" at
+    ``--concurrency``, "@1" at one request)."""
+    return speedup(row[f"math/cost{tag}"]["tokens_per_s"], row[f"math/ar{tag}"]["tokens_per_s"])
 
 
 def promoted_worse(versions: list[dict]) -> list[dict]:
@@ -327,7 +331,7 @@ def summarize(arms: list[dict]) -> dict:
             ]
         for tag in ("", "@1"):  # per repeat, per version
             row[f"math/cost_over_ar{tag}"] = [
-                [round(speedup(v, tag), 3) for v in r["versions"]] for r in runs
+                [round(cost_over_ar(v, tag), 3) for v in r["versions"]] for r in runs
             ]
         row["promoted_worse_on_eval"] = [promoted_worse(r["versions"]) for r in runs]
         row["head_refit_minus_frozen_tau"] = bootstrap(
@@ -366,7 +370,7 @@ def plot(result: dict, path: Path) -> None:
         for tag, ls in (("", "-"), ("@1", ":")):
             axes[3].plot(
                 rounds,
-                [speedup(v, tag) for v in arm["versions"]],
+                [cost_over_ar(v, tag) for v in arm["versions"]],
                 label=f"{label}, {tag[1:] or result['args']['concurrency']} request(s)",
                 **style,
                 ls=ls,

@@ -117,7 +117,7 @@ def build_ui(service: Service) -> gr.Blocks:
             f"{service.sink.dropped} · trainer "
             f"{'up' if service.trainer_alive() else 'not running'}"
         )
-        probed = sum((p.counters for p in d.probes), SpecCounters(total.block_size))
+        probed = d.probed
         if probed.rounds:
             summary += (
                 f"  \ndrafter τ on whole blocks, from {probed.rounds} probes (shadow drafts the"

@@ -237,3 +237,14 @@ def test_cost_model_moves_with_real_steps_and_is_exported(api):
     assert 'adaflash_cost_estimate{term="target_per_token_ms"}' in text
     assert 'adaflash_policy_check_total{term="drafting_tokens_expected"}' in text
     assert 'adaflash_policy_check_total{term="probes"}' in text
+
+
+def test_dashboard_sums_its_probes_as_the_rounds_they_stand_for():
+    from adaflash.metrics import SpecCounters, probe_buckets
+    from app.service import Dashboard
+
+    probes = probe_buckets([(100.0, 4, 3), (109.0, 15, 1), (130.0, 2, 0)], 16, 10)
+    d = Dashboard(60, 140.0, [], [], SpecCounters(16), {}, [], probes)
+    assert d.probed.rounds == 3 and d.probed.accepted == 4
+    assert d.probed.accept_len == (3 + 4) / 3
+    assert Dashboard(60, 140.0, [], [], SpecCounters(16), {}, []).probed.rounds == 0
