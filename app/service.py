@@ -133,6 +133,8 @@ class Dashboard:
     per_domain: dict[str, SpecCounters]
     runs: list[Any]  # training runs, newest first
     probes: list[Bucket] = field(default_factory=list)  # the cost policy's probes (drafter τ)
+    # version → (τ of the version it replaced, its own τ) on the same held-out rows at its gate
+    gates: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def total(self) -> SpecCounters:
@@ -462,16 +464,27 @@ class Service:
         now = now or time.time()
         block = self.backend.block_size
         bucket_s = max(5, int(window_s) // 40)
+        starts = stats.version_starts(self.db, window_s, now=now)
         return Dashboard(
             window_s,
             now,
             stats.timeline(self.db, window_s, bucket_s=bucket_s, now=now),
-            stats.version_starts(self.db, window_s, now=now),
+            starts,
             stats.slot_acceptance(self.db, window_s, block, now=now),
             stats.by_domain(self.db, window_s, now=now),
             list_runs(self.db, 20),
             probe_buckets(self.backend.probes(now - window_s), block, bucket_s),
+            self._gates({name for _, name in starts}),
         )
+
+    def _gates(self, names: set[str]) -> dict[str, tuple[float, float]]:
+        """Each named version's gate: the replaced version's τ and its own, on the same rows."""
+        out = {}
+        for v in self.versions():
+            gate = v.metrics.get("gate") or {}
+            if v.id in names and "candidate_accept_len" in gate:
+                out[v.id] = (float(gate["active_accept_len"]), float(gate["candidate_accept_len"]))
+        return out
 
     def remove_data(self) -> None:  # used by tests that build throwaway services
         shutil.rmtree(self.registry.weights_dir, ignore_errors=True)

@@ -148,7 +148,7 @@ def build_ui(service: Service) -> gr.Blocks:
         ]
         return (
             summary,
-            charts.timeline(d.buckets, d.versions, d.now, d.probes),
+            charts.timeline(d.buckets, d.versions, d.now, d.probes, d.gates),
             charts.throughput(d.buckets, d.versions, d.now),
             charts.slots(d.slots),
             charts.domains(d.per_domain),

@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 
 from adaflash.metrics import Bucket, SpecCounters
 
-GREEN, ORANGE, BLUE, GRAY = "#2e7d32", "#ef6c00", "#1565c0", "#757575"
+GREEN, ORANGE, BLUE, GRAY, PURPLE = "#2e7d32", "#ef6c00", "#1565c0", "#757575", "#6a1b9a"
 
 
 def _figure(title: str) -> tuple[Figure, Any]:
@@ -36,15 +36,20 @@ def timeline(
     versions: list[tuple[float, str]],
     now: float | None = None,
     probes: list[Bucket] | None = None,
+    gates: dict[str, tuple[float, float]] | None = None,
 ) -> Figure:
-    """Served τ and verify length per bucket, and — where the cost policy probed — the τ its
-    probes measured for whole blocks: how good the drafter is, whether or not it pays to draft
-    (a drafter learning a new domain shows there first)."""
+    """Served τ and verify length per bucket; where the cost policy probed, the τ its probes
+    measured for whole blocks; and at each version marker the gate's step: the replaced
+    version's τ and the new one's on the same held-out rows. The last two show how good the
+    drafter is whether or not it pays to draft (a drafter learning a new domain shows there)."""
     now = now or time.time()
     fig, ax = _figure("acceptance length τ and verify length (windowed)")
     if not buckets and not probes:
         _empty(ax)
         return fig
+    steps = _gate_steps(versions, gates or {}, now, buckets)
+    if steps:
+        ax.plot(*steps, color=PURPLE, lw=2, label="drafter τ at each gate (held-out rows)")
     if probes:
         ax.plot(
             [(b.start - now) / 60 for b in probes],
@@ -78,6 +83,25 @@ def timeline(
     _markers(ax, versions, now)
     ax.legend(loc="upper left", fontsize=8)
     return fig
+
+
+def _gate_steps(
+    versions: list[tuple[float, str]],
+    gates: dict[str, tuple[float, float]],
+    now: float,
+    buckets: list[Bucket],
+) -> tuple[list[float], list[float]] | None:
+    """A step line in minutes: before each gated marker the τ of the version it replaced, after
+    it the new version's, held until the next marker (or now)."""
+    gated = [((ts - now) / 60, gates[name]) for ts, name in versions if name in gates]
+    if not gated:
+        return None
+    start = (min([b.start for b in buckets] + [versions[0][0]]) - now) / 60
+    xs, ys = [start], [gated[0][1][0]]
+    for x, (before, after) in gated:  # along at the level held, down/up to before, up to after
+        xs += [x, x, x]
+        ys += [ys[-1], before, after]
+    return [*xs, 0.0], [*ys, ys[-1]]
 
 
 def throughput(

@@ -248,3 +248,37 @@ def test_dashboard_sums_its_probes_as_the_rounds_they_stand_for():
     assert d.probed.rounds == 3 and d.probed.accepted == 4
     assert d.probed.accept_len == (3 + 4) / 3
     assert Dashboard(60, 140.0, [], [], SpecCounters(16), {}, []).probed.rounds == 0
+
+
+def test_dashboard_carries_each_served_versions_gate(tmp_path):
+    service = make_service(tmp_path)
+    with TestClient(create_app(service, ui=False)) as client:
+
+        def generate() -> None:
+            body = {"text": "hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+            assert client.post("/generate", json=body).status_code == 200
+
+        generate()
+        base = service.active_version()
+        assert base is not None
+        cand = service.registry.publish(
+            service.registry.load(base.id),
+            parent=base.id,
+            loss="fkl",
+            samples=1,
+            data=(None, None),
+            metrics={},
+        )
+        service.registry.update_metrics(
+            cand.id, gate={"candidate_accept_len": 1.5, "active_accept_len": 1.2}
+        )
+        service.promote(cand.id)
+        generate()
+        deadline = time.time() + 10
+        while time.time() < deadline:  # rounds reach the buffer from a writer thread
+            d = service.dashboard(600)
+            if cand.id in [name for _, name in d.versions]:
+                break
+            time.sleep(0.1)
+    assert [name for _, name in d.versions] == [base.id, cand.id]
+    assert d.gates == {cand.id: (1.2, 1.5)}  # the shipped version has no gate

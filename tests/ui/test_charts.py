@@ -31,3 +31,16 @@ def test_timeline_draws_the_probes_drafter_tau_even_with_no_drafting_rounds():
     assert line.get_label() == "drafter τ, whole blocks (probes)"
     assert list(line.get_ydata()) == [2.5] and list(line.get_xdata()) == [-1.0]
     assert "v0001" in texts(fig)  # the version marker drawn over it
+
+
+def test_timeline_steps_the_gate_tau_at_each_version_marker():
+    now = 1000.0
+    buckets = [Bucket(880.0, SpecCounters.from_totals(16, 10, 10, 0), 10, 20.0)]
+    versions = [(880.0, "v0000"), (940.0, "v0001"), (970.0, "v0002")]
+    gates = {"v0001": (1.4, 1.6), "v0002": (1.55, 1.7)}  # v0000 (shipped) has no gate
+    fig = charts.timeline(buckets, versions, now, None, gates)
+    (line,) = [ln for ln in fig.axes[0].lines if ln.get_label().startswith("drafter τ at each")]
+    assert list(line.get_xdata()) == [-2.0, -1.0, -1.0, -1.0, -0.5, -0.5, -0.5, 0.0]
+    assert list(line.get_ydata()) == [1.4, 1.4, 1.4, 1.6, 1.6, 1.55, 1.7, 1.7]
+    plain = charts.timeline(buckets, versions, now)  # no gates given: no step drawn
+    assert not [ln for ln in plain.axes[0].lines if "gate" in ln.get_label()]
