@@ -465,6 +465,7 @@ class Service:
         block = self.backend.block_size
         bucket_s = max(5, int(window_s) // 40)
         starts = stats.version_starts(self.db, window_s, now=now)
+        served = {name for _, name in starts}
         return Dashboard(
             window_s,
             now,
@@ -474,17 +475,8 @@ class Service:
             stats.by_domain(self.db, window_s, now=now),
             list_runs(self.db, 20),
             probe_buckets(self.backend.probes(now - window_s), block, bucket_s),
-            self._gates({name for _, name in starts}),
+            {v.id: g for v in self.versions() if v.id in served and (g := v.gate_tau)},
         )
-
-    def _gates(self, names: set[str]) -> dict[str, tuple[float, float]]:
-        """Each named version's gate: the replaced version's τ and its own, on the same rows."""
-        out = {}
-        for v in self.versions():
-            gate = v.metrics.get("gate") or {}
-            if v.id in names and "candidate_accept_len" in gate:
-                out[v.id] = (float(gate["active_accept_len"]), float(gate["candidate_accept_len"]))
-        return out
 
     def remove_data(self) -> None:  # used by tests that build throwaway services
         shutil.rmtree(self.registry.weights_dir, ignore_errors=True)

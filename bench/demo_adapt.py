@@ -480,7 +480,8 @@ def main() -> None:
         result["summary"] = summarize(result["arms"])
         # replaced whole: a run killed mid-write keeps the last arm's file
         write_text_atomic(out / "adapt.json", json.dumps(result, indent=1) + "\n")
-    result["summary"] = summarize(result["arms"])  # (a resumed run may have had nothing left)
+    if not todo:  # a resumed run with nothing left: its kept arms summarized
+        result["summary"] = summarize(result["arms"])
     plot(result, out / "adapt.png")
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {out / 'adapt.json'} and {out / 'adapt.png'}")

@@ -64,6 +64,15 @@ class Version:
             row.reason,
         )
 
+    @property
+    def gate_tau(self) -> tuple[float, float] | None:
+        """(the replaced version's τ, this one's) on the same held-out rows at its promotion
+        gate (``lightning_modules/online.py``), or None for a version that met no gate."""
+        gate = self.metrics.get("gate") or {}
+        if "candidate_accept_len" not in gate:
+            return None
+        return float(gate["active_accept_len"]), float(gate["candidate_accept_len"])
+
 
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()

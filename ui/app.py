@@ -163,7 +163,7 @@ def build_ui(service: Service) -> gr.Blocks:
     def versions_table() -> list[list[Any]]:
         rows = []
         for v in reversed(service.versions()):
-            gate = v.metrics.get("gate") or {}
+            gate = v.gate_tau
             rows.append(
                 [
                     v.id,
@@ -171,8 +171,8 @@ def build_ui(service: Service) -> gr.Blocks:
                     v.parent or "",
                     v.loss or "",
                     v.samples,
-                    gate.get("candidate_accept_len", ""),
-                    gate.get("active_accept_len", ""),
+                    gate[1] if gate else "",
+                    gate[0] if gate else "",
                     v.reason or "",
                     v.created_at.strftime("%Y-%m-%d %H:%M:%S"),
                 ]
