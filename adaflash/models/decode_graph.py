@@ -534,6 +534,7 @@ class DecodeGraph:
             if not background:
                 self._compile(key)
                 continue
+            trace_fx_once_here()  # before the thread starts, which could trace it beside a step
             self._queue.put(key)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="decode-graph", daemon=True)
@@ -863,6 +864,23 @@ def quick_gil_handoff() -> Iterator[None]:
             _handoff_users -= 1
             if _handoff_users == 0:
                 sys.setswitchinterval(_handoff_saved)
+
+
+def trace_fx_once_here() -> None:
+    """Run, on the serving thread, the one trace the compiler makes with torch.fx's plain
+    ``Tracer``: the graph of ``identity`` that Inductor makes once per process
+    (``loop_body.InterpreterShim._dummy_gm``). Any trace patches ``nn.Module.__call__`` for the
+    whole process while it runs, and the plain ``Tracer`` raises "module is not installed as a
+    submodule" for a module not under its root, so an eager step on another thread that calls a
+    module meanwhile fails: live demos lost requests to it while the first graph compiled (one
+    batch of 3 in 9,000 eager batches beside a tiny target's compile; the test is
+    ``tests/engine/test_compile_race.py``). The compiler's other traces (``make_fx``'s) call
+    foreign modules straight through and do no harm."""
+    from torch._inductor.loop_body import InterpreterShim
+
+    dummy = getattr(InterpreterShim, "_dummy_gm", None)
+    if dummy is not None:
+        dummy()
 
 
 def compiled_route(target: TargetModel) -> dict[str, bool] | None:
