@@ -39,10 +39,11 @@ from adaflash.workloads import WORKLOADS_DIR, read_prompt_file
 from app.serve_process import alive, wait_until_up
 
 DEFAULT_PROMPTS = WORKLOADS_DIR / "math_train.jsonl"
-# how a server the demo starts trains: a round per 96 new trajectories, two epochs, 64 anchors
+# how a server the demo starts trains: a round per 96 new trajectories, four epochs, 64 anchors
 # a sequence, as bench/demo_adapt.py does by default (rounds of 24 and 16 anchors moved math τ
-# half as far: docs/results/adapt/zen4_1206_opd_chunk24)
-TRAINING_FLAGS = ("--min-new", "96", "--epochs", "2", "--anchors", "64")
+# half as far: docs/results/adapt/zen4_1206_opd_chunk24; two epochs +24% in five versions,
+# four +32%: docs/results/adapt/zen4_1206_both, xeon_1207_epochs4)
+TRAINING_FLAGS = ("--min-new", "96", "--epochs", "4", "--anchors", "64")
 
 
 @dataclass(frozen=True)

@@ -414,7 +414,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="seeds per arm (own prompt order)")
     ap.add_argument("--versions", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=96, help="math prompts served per round")
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=4, help="passes over a round's trajectories")
     ap.add_argument(
         "--replay",
         type=int,
