@@ -244,6 +244,7 @@ class CostModel:
     # compiled batched verification (``verify_key``): (batch size, width) → seconds
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     verify_graphs: tuple[tuple[int, int], ...] = ()  # their (batch size, width), compiled
+    widths: tuple[int, ...] = ()  # compiled one-request verification widths (``one_key``)
     # requests → t ≈ a + b·tokens over that many requests' passes where some verify (no prompts)
     mixed: dict[int, RecursiveLeastSquares] = field(default_factory=dict)
     target_passes: int = 0  # every target pass observed (line and tables)
@@ -277,7 +278,7 @@ class CostModel:
         table: dict[Any, float]  # a running mean per key
         key: Any
         if requests == 1 and tokens <= ONE_REQUEST_MAX:
-            table, key = self.one_request, tokens
+            table, key = self.one_request, self.one_key(tokens)
         elif requests > 1 and tokens == requests:  # a plain batched pass
             table, key = self.plain, self.plain_key(requests)
         elif not prefill and (vkey := self.verify_key(requests, widest)) is not None:
@@ -372,16 +373,40 @@ class CostModel:
         batches: tuple[int, ...],
         graphs: int,
         verify: tuple[tuple[int, int], ...] = (),
+        widths: tuple[int, ...] = (),
     ) -> None:
         """The engine's compiled steps now: the batch sizes plain passes pad up to (ascending),
-        how many graphs there are, and the batched verifications' (batch size, width). A new
-        graph makes the tables start over (they timed another path)."""
+        how many graphs there are, the batched verifications' (batch size, width) and the
+        one-request verification widths. A new graph makes the tables start over (they timed
+        another path)."""
         if graphs != self.graphs:
             self.one_request.clear()
             self.plain.clear()
             self.plain_at.clear()
             self.verify.clear()
         self.batches, self.graphs, self.verify_graphs = batches, graphs, verify
+        self.widths = widths
+
+    def one_width(self, tokens: int) -> int | None:
+        """The smallest compiled one-request verification width that holds ``tokens`` (≥ 2;
+        every count padded up to it runs that graph and costs what it costs), else None."""
+        if tokens < 2:
+            return None
+        return min((w for w in self.widths if w >= tokens), default=None)
+
+    def one_key(self, tokens: int) -> int:
+        """The one-request table's key for a pass of ``tokens``: its compiled width, else the
+        count itself (one token, or eager)."""
+        return self.one_width(tokens) or tokens
+
+    def untimed(self, tokens: int, requests: int, widest: int | None = None) -> bool:
+        """Whether ``target_s`` prices this pass optimistically: a compiled verification (one
+        request's width, or a batched one) not timed yet, priced at its plain step."""
+        if requests == 1:
+            width = self.one_width(tokens)
+            return width is not None and width not in self.one_request
+        vkey = self.verify_key(requests, widest)
+        return vkey is not None and vkey not in self.verify
 
     def verify_key(self, requests: int, widest: int | None) -> tuple[int, int] | None:
         """The compiled batched verification that runs a pass of ``requests`` whose widest
@@ -431,8 +456,16 @@ class CostModel:
         if vkey is not None:  # compiled: measured, else (optimistic) its plain pass (docstring)
             return self.verify.get(vkey) or self.target_s(requests, requests)
         table = self.one_request
-        if requests == 1 and tokens in table:
-            return table[tokens]
+        if requests == 1:
+            width = self.one_width(tokens)
+            if (width or tokens) in table:
+                return table[width or tokens]
+            if width is not None:  # compiled, not timed yet: (optimistic) the one-token step
+                # (priced on the eager line instead, 3-4 tokens on the width-4 graph were
+                # 36 ms against a 10 ms step, where that graph took ~13: a drafter at τ 1.86
+                # never drafted at one request, though verifying 4 ran 1.11x plain decoding;
+                # AMX Xeon, scratch study in docs/results/adapt/xeon_1207_epochs4)
+                return self.target_s(1, 1)
         mixed = self.mixed.get(requests)
         if requests > 1 and tokens > requests and mixed is not None and mixed.seen >= MIXED_SEEN:
             line = mixed.predict([1.0, float(tokens)])

@@ -286,7 +286,7 @@ class Engine:
             prefills = [p for p in prefills if p.req is suspect]
             chosen = [suspect] if suspect.prefill_done else []
         graph = self.target.decode_graph  # what the cost model's tables time: the graphs now
-        self.cost.compiled(*(((), 0, ()) if graph is None else graph.compiled(self.capture)))
+        self.cost.compiled(*(((), 0, (), ()) if graph is None else graph.compiled(self.capture)))
         ctx = PolicyContext(
             self.block_size,
             self.gamma,
@@ -357,7 +357,9 @@ class Engine:
         if any(v.plan.verify_len > 1 for v in res.verified):  # drafts verified (not probes)
             # beside a prompt chunk the chunk's eager pass is most of the price and its error
             # (priced 1.07 s, took 0.46 s): not what drafting steps take, so no time learnt
-            priced = 0.0 if chunk else predicted
+            # nor from a pass priced on a compiled graph not timed yet (``CostModel.untimed``):
+            # that price was a guess to try it, not a prediction
+            priced = 0.0 if chunk or self._policy.untimed else predicted
             self.cost.observe_drafting_step(priced, measured, expected, committed)
             least = self._policy.whole_least
             if least is not None:  # every request drafted, nobody queued: what the batch got

@@ -110,6 +110,7 @@ class Policy:
     name = "fixed"
     uses_head = False
     predicted_s: float | None = None  # this step's time as planned, where a policy plans it
+    untimed: bool = False  # … on a compiled pass never timed (``CostModel.untimed``)
     expected_tokens: float | None = None  # … and the tokens it expects the step to commit
     probes: Sequence[Request] = ()  # this step's shadow drafts (``drafters`` sets them)
     # a plan in which every request drafts with nobody queued: its least request's expected
@@ -463,7 +464,7 @@ class CostPolicy(Policy):
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
         self.predicted_s = self.expected_tokens = None  # prefills only: nothing planned
-        self.whole_least = None
+        self.whole_least, self.untimed = None, False
         self.probes = []
         if not ready:
             return []
@@ -626,6 +627,7 @@ class CostPolicy(Policy):
         n_tok = sum(chosen) + ctx.plain_requests + ctx.other_tokens
         widest = max([*chosen, max(1, ctx.other_widest)])
         self.predicted_s = self.draft_s + ctx.cost.target_s(n_tok, n_req, widest)
+        self.untimed = ctx.cost.untimed(n_tok, n_req, widest)
         self.expected_tokens = ctx.plain_requests + len(spec) + sum(drafts)
         self.planned = {id(r): raw[id(r)][: w - 1] for r, w in zip(spec, chosen, strict=True)}
         return torch.tensor(chosen)

@@ -571,13 +571,14 @@ class DecodeGraph:
 
     def compiled(
         self, capture: tuple[int, ...]
-    ) -> tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]:
+    ) -> tuple[tuple[int, ...], int, tuple[tuple[int, int], ...], tuple[int, ...]]:
         """The batch sizes compiled for ``capture``, how many graphs capture it (the cost
-        model's tables start over when that changes) and the batched verifications' (batch
-        size, width)."""
+        model's tables start over when that changes), the batched verifications' (batch
+        size, width) and the one-request verification widths."""
         keys = [k for k in list(self.graphs) if k[0] == tuple(capture)]
         batches = tuple(sorted(b for _, t, b in keys if b > 1 and t == 1))
-        return batches, len(keys), tuple(sorted((b, t) for _, t, b in keys if b > 1 and t > 1))
+        verify = tuple(sorted((b, t) for _, t, b in keys if b > 1 and t > 1))
+        return batches, len(keys), verify, tuple(sorted(t for _, t, b in keys if b == 1 and t > 1))
 
     def status(self) -> str:
         """'ready', 'compiling', 'failed' or 'off' (for /metrics)."""

@@ -588,6 +588,51 @@ def test_one_request_passes_get_their_own_costs_and_the_policy_stays_on_the_chea
     assert int(policy.widths([r], None, ctx)[0]) == 4  # the widest compiled width, not eager
 
 
+def test_a_one_request_verification_is_priced_by_its_compiled_width_and_tried_once_cold():
+    """One request verifying n tokens runs on the smallest compiled width ≥ n: every count
+    that pads to it costs what that graph costs. Untimed, it is priced as the one-token step
+    (optimistic: tried once, then timed), not on the line through eager prompt chunks, whose
+    base cost made a drafter that paid never draft at one request; such a step teaches the
+    drafting bias nothing (its price was a guess)."""
+    k = 16
+    cost = CostModel()
+    cost.compiled((), 4, (), (4, 8, 16))
+    cost.drafter.pin([0.004, 0.001, 0.0])
+    for n in range(40, 300, 20):  # eager prompt chunks: 35 ms + 0.3 ms a token
+        cost.observe_target(n, 1, 0.035 + 0.0003 * n, prefill=True)
+    for _ in range(20):
+        cost.observe_target(1, 1, 0.010)  # the compiled one-token step
+    assert cost.one_key(3) == 4 and cost.one_key(5) == 8 and cost.one_key(17) == 17
+    assert cost.untimed(3, 1) and not cost.untimed(1, 1) and not cost.untimed(17, 1)
+    assert cost.target_s(3, 1) == cost.target_s(16, 1) == 0.010  # cold: its one-token step
+    assert cost.target_s(17, 1) > 0.035  # wider than any graph: eager, the line
+    policy = CostPolicy(k)
+    r = req(0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):  # each slot accepted 70% of the time, up to the first miss
+        policy.observe(r, k, int((torch.rand(k - 1, generator=g) < 0.7).cumprod(0).sum()), k)
+    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
+    assert policy.drafters([r], ctx) == [r]
+    policy.widths([r], None, ctx)
+    assert policy.untimed  # the engine learns no bias from this step
+    for _ in range(20):
+        cost.observe_target(3, 1, 0.013)  # the width-4 graph, timed: 2–4 tokens share it
+    assert abs(cost.target_s(2, 1) - 0.013) < 1e-9 and not cost.untimed(4, 1)
+    assert cost.snapshot()["target_1req_4tok_ms"] == pytest.approx(13.0)
+    assert cost.untimed(5, 1)  # width 8: not timed yet
+    eager = CostModel()  # no compiled widths (an eager engine): each count its own
+    for n in range(40, 300, 20):
+        eager.observe_target(n, 1, 0.035 + 0.0003 * n, prefill=True)
+    eager.observe_target(1, 1, 0.010)
+    assert eager.one_key(3) == 3 and not eager.untimed(3, 1)
+    assert eager.target_s(3, 1) > 0.03  # the line: an eager pass's base cost
+    none = CostPolicy(k)
+    for _ in range(40):
+        none.observe(r, k, int((torch.rand(k - 1, generator=g) < 0.7).cumprod(0).sum()), k)
+    eager.drafter.pin([0.004, 0.001, 0.0])
+    assert none.drafters([r], PolicyContext(k, 1.0, eager, budget=512, other_tokens=0)) == []
+
+
 def test_plain_batched_passes_get_their_own_costs_and_verification_keeps_the_line():
     """A compiled batched graph makes a plain step of n requests cheap while a step in which
     some verify runs eager: a plain step is priced from its table, not from the verify line."""

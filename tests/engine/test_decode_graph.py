@@ -244,8 +244,10 @@ def test_a_verification_takes_the_smallest_compiled_width_that_holds_it(tiny, mo
     graph.graphs[((), 1, 4)] = step  # a batched decode step is no verification width
     assert [graph.width((), n) for n in (1, 2, 4, 5, 16, 17)] == [1, 4, 4, 16, 16, None]
     assert graph.width((7,), 1) is None and graph.width((7,), 3) == 8
-    # what the cost model is told: batch sizes, graph count, batched verifications (none here)
-    assert graph.compiled(()) == ((4,), 4, ()) and graph.compiled((7,)) == ((), 1, ())
+    # what the cost model is told: batch sizes, graph count, batched verifications (none here),
+    # one-request verification widths
+    assert graph.compiled(()) == ((4,), 4, (), (4, 16))
+    assert graph.compiled((7,)) == ((), 1, (), (8,))
     monkeypatch.setenv("ADAFLASH_VERIFY_GRAPHS", "16, 8,1")
     assert decode_graph.verify_widths() == (8, 16)
     monkeypatch.setenv("ADAFLASH_VERIFY_GRAPHS", "0")
@@ -267,7 +269,7 @@ def test_a_batched_verification_takes_the_smallest_batch_then_width_that_holds_i
     assert graph.batch_verify((), (3,)) is None  # one request: its own verification width
     assert graph.batch_verify((7,), (4, 4)) == ((7,), 4, 4)
     assert graph.batch_size((), 3) == 4 and graph.width((), 4) is None  # neither is one
-    assert graph.compiled(()) == ((4,), 4, ((4, 4), (4, 8), (8, 4)))  # (batch size, width)
+    assert graph.compiled(()) == ((4,), 4, ((4, 4), (4, 8), (8, 4)), ())  # (batch size, width)
     # what an engine asks for: batched verification only with drafting, default width 4
     monkeypatch.setattr(graph, "_compile", lambda key: None)
     monkeypatch.setattr(decode_graph, "native_bf16", lambda: True)
