@@ -461,10 +461,10 @@ class CostModel:
             if (width or tokens) in table:
                 return table[width or tokens]
             if width is not None:  # compiled, not timed yet: (optimistic) the one-token step
-                # (priced on the eager line instead, 3-4 tokens on the width-4 graph were
-                # 36 ms against a 10 ms step, where that graph took ~13: a drafter at τ 1.86
-                # never drafted at one request, though verifying 4 ran 1.11x plain decoding;
-                # AMX Xeon, scratch study in docs/results/adapt/xeon_1207_epochs4)
+                # (priced on the eager line through prompt chunks instead, 2–4 tokens on the
+                # width-4 graph were 36 ms against a 12 ms one-token step, where that graph
+                # took 17.6: only a drafter of τ ≳ 3.5 would ever have drafted at one request;
+                # AMX Xeon, docs/results/adapt/xeon_1207_epochs4/verify_widths_c1.json)
                 return self.target_s(1, 1)
         mixed = self.mixed.get(requests)
         if requests > 1 and tokens > requests and mixed is not None and mixed.seen >= MIXED_SEEN:

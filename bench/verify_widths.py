@@ -1,0 +1,147 @@
+"""Does drafting pay with this drafter here, and does the default policy find it?
+
+One drafter, one domain's eval prompts, at ``--concurrency``: plain decoding (``ar``), every
+request verifying a fixed number of tokens (``w2`` … ``w16``: the anchor and w − 1 drafts), and
+the default ``cost`` policy twice — ``cost``, a fresh engine each pass (what a short eval sees),
+and ``cost-warm``, one engine serving pass after pass (what ``serve`` sees; its first pass is
+not timed). Every engine runs the compiled steps ``serve`` runs, built before anything is
+timed. The methods take turns within each repeat, so whatever else slows the machine slows
+them alike; speedups are over ``ar``'s median.
+
+    python bench/verify_widths.py --drafter PATH --out docs/results/adapt/…/verify_widths.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from adaflash.cli import DEFAULT_DRAFTER, encode_prompt
+from adaflash.config import EngineConfig, Policy, SamplingParams
+from adaflash.engine import policy as policies
+from adaflash.engine.engine import Engine
+from adaflash.hardware import cpu_info
+from adaflash.models.decode_graph import batch_sizes, compile_now
+from adaflash.models.drafter import load_drafter
+from adaflash.models.target import load_target
+from adaflash.paths import REPO, repo_relative, write_text_atomic
+from adaflash.pull import resolve_target
+from adaflash.tokenizer import Tokenizer
+from adaflash.workloads import load_prompts
+
+
+class FixedWidth(policies.Policy):
+    """Every request that can draft verifies ``width`` tokens (the anchor and width − 1
+    drafts)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.name = f"w{width}"
+
+    def widths(self, spec, a_hat, ctx) -> torch.Tensor:  # (the Policy's arguments)
+        return torch.full((len(spec),), self.width)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--drafter", default=str(REPO / "assets" / "drafters" / DEFAULT_DRAFTER))
+    ap.add_argument("--drafter-note", default="", help="where the drafter came from (kept)")
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--domain", default="math")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--widths", type=int, nargs="+", default=[2, 3, 4, 6, 8, 16])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--beside", default="nothing", help="what else ran on the machine meanwhile")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target_dir = resolve_target(args.target)
+    target = load_target(target_dir, args.dtype)
+    tok = Tokenizer.from_folder(target_dir)
+    drafter = load_drafter(Path(args.drafter), args.dtype)
+    c = args.concurrency
+    capture = tuple(drafter.cfg.target_layer_ids)
+    compile_s = compile_now(target, [(), capture], batch_sizes(c) if c > 1 else ())
+    prompts = [
+        encode_prompt(tok, p.prompt, chat=True)
+        for p in load_prompts(args.domain, "eval", args.prompts)
+    ]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+
+    def engine(policy: Policy, width: int | None = None) -> Engine:
+        e = Engine(
+            target,
+            None if policy == "ar" else drafter,
+            EngineConfig(
+                policy=policy, max_running_requests=c, max_batch_tokens=16 * c, compile=True
+            ),
+            drafter_version="bench",
+            eos_token_ids=tok.eos_token_ids,
+        )
+        if width is not None:
+            e._policy = FixedWidth(width)
+        return e
+
+    def timed(e: Engine) -> dict:
+        tokens, rounds, accepted = e.stats.output_tokens, e.counters.rounds, e.counters.accepted
+        t0 = time.perf_counter()
+        e.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        n = e.counters.rounds - rounds
+        return {
+            "tokens_per_s": round((e.stats.output_tokens - tokens) / wall, 2),
+            "tau": round((n + e.counters.accepted - accepted) / max(n, 1), 4),
+        }
+
+    warm = engine("cost")
+    timed(warm)  # its first pass: it learns what passes cost and what the drafter finds
+    makers: dict[str, Callable[[], Engine]] = {"ar": lambda: engine("ar")}
+    for w in args.widths:
+        makers[f"w{w}"] = functools.partial(engine, "fixed", w)
+    makers["cost"] = lambda: engine("cost")
+    runs: dict[str, list[dict]] = {name: [] for name in [*makers, "cost-warm"]}
+    for _ in range(args.repeats):
+        for name, make in makers.items():
+            runs[name].append(timed(make()))
+        runs["cost-warm"].append(timed(warm))
+        print(json.dumps({k: v[-1] for k, v in runs.items()}), flush=True)
+    ar = statistics.median(r["tokens_per_s"] for r in runs["ar"])
+    summary = {
+        name: {
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
+            "speedup_over_ar": round(statistics.median(r["tokens_per_s"] for r in rs) / ar, 3),
+            "tau": rs[-1]["tau"],
+        }
+        for name, rs in runs.items()
+    }
+    result = {
+        "benchmark": "bench/verify_widths.py",
+        "args": {**vars(args), "drafter": repo_relative(Path(args.drafter))},
+        "machine": cpu_info(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "compile_s": compile_s,
+        "runs": runs,
+        "summary": summary,
+        "cost_warm_model_ms": {k: round(v, 3) for k, v in warm.cost.snapshot().items()},
+        "cost_warm_probes": warm.stats.probes,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps(result, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
