@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import json, sys, threading, time
+from pathlib import Path
 import torch
 import torch.fx._symbolic_trace as st
 from adaflash.config import EngineConfig, SamplingParams
@@ -36,7 +37,7 @@ def trace(self, root, concrete_args=None):
     return plain(self, root, concrete_args)
 
 st.Tracer.trace = trace
-target = load_target(build_checkpoint(__import__("pathlib").Path(sys.argv[1]), "llama", seed=3))
+target = load_target(build_checkpoint(Path(sys.argv[1]), "llama", seed=3))
 engine = Engine(target, None, EngineConfig(policy="ar", max_running_requests=4))
 graph = target.compile_decode((), background=True)
 passes, t0 = 0, time.time()
