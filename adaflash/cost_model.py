@@ -458,8 +458,9 @@ class CostModel:
         table = self.one_request
         if requests == 1:
             width = self.one_width(tokens)
-            if (width or tokens) in table:
-                return table[width or tokens]
+            key = width or tokens  # ``one_key``
+            if key in table:
+                return table[key]
             if width is not None:  # compiled, not timed yet: (optimistic) the one-token step
                 # (priced on the eager line through prompt chunks instead, 2–4 tokens on the
                 # width-4 graph were 36 ms against a 12 ms one-token step, where that graph

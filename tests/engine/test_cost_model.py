@@ -561,6 +561,22 @@ def test_short_lived_requests_still_probe_and_a_good_drafter_is_noticed():
     assert all(drafted[-10:])  # noticed: every request drafts, no probe needed
 
 
+def profiled_request(k: int, seed: int = 0) -> tuple[CostPolicy, Request]:
+    """A cost policy and one request whose slots were each accepted 70% of the time, up to the
+    first miss, over 40 rounds."""
+    policy, r = CostPolicy(k), req(0)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(40):
+        policy.observe(r, k, int((torch.rand(k - 1, generator=g) < 0.7).cumprod(0).sum()), k)
+    return policy, r
+
+
+def observe_one_request_chunks(cost: CostModel) -> None:
+    """Eager prompt chunks of one request, 40–280 tokens: 35 ms + 0.3 ms a token."""
+    for n in range(40, 300, 20):
+        cost.observe_target(n, 1, 0.035 + 0.0003 * n, prefill=True)
+
+
 def test_one_request_passes_get_their_own_costs_and_the_policy_stays_on_the_cheap_side():
     """A compiled graph makes a one-request pass of ≤ 4 tokens cheap and the fifth token costs
     the eager path: the table sees the jump that one line through all passes would smear."""
@@ -578,11 +594,7 @@ def test_one_request_passes_get_their_own_costs_and_the_policy_stays_on_the_chea
     assert cost.target_s(12, 1) >= 0.045  # above the largest measured: never cheaper than it
     assert abs(cost.target_s(4, 4) - 0.038) < 2e-3  # plain batched passes: their own table
     assert cost.snapshot()["target_1req_4tok_ms"] == 16.0
-    policy = CostPolicy(k)
-    r = req(0)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(40):  # each slot accepted 70% of the time, up to the first miss
-        policy.observe(r, k, int((torch.rand(k - 1, generator=g) < 0.7).cumprod(0).sum()), k)
+    policy, r = profiled_request(k)
     ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
     assert policy.drafters([r], ctx) == [r]
     assert int(policy.widths([r], None, ctx)[0]) == 4  # the widest compiled width, not eager
@@ -598,19 +610,14 @@ def test_a_one_request_verification_is_priced_by_its_compiled_width_and_tried_on
     cost = CostModel()
     cost.compiled((), 4, (), (4, 8, 16))
     cost.drafter.pin([0.004, 0.001, 0.0])
-    for n in range(40, 300, 20):  # eager prompt chunks: 35 ms + 0.3 ms a token
-        cost.observe_target(n, 1, 0.035 + 0.0003 * n, prefill=True)
+    observe_one_request_chunks(cost)
     for _ in range(20):
         cost.observe_target(1, 1, 0.010)  # the compiled one-token step
     assert cost.one_key(3) == 4 and cost.one_key(5) == 8 and cost.one_key(17) == 17
     assert cost.untimed(3, 1) and not cost.untimed(1, 1) and not cost.untimed(17, 1)
     assert cost.target_s(3, 1) == cost.target_s(16, 1) == 0.010  # cold: its one-token step
     assert cost.target_s(17, 1) > 0.035  # wider than any graph: eager, the line
-    policy = CostPolicy(k)
-    r = req(0)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(40):  # each slot accepted 70% of the time, up to the first miss
-        policy.observe(r, k, int((torch.rand(k - 1, generator=g) < 0.7).cumprod(0).sum()), k)
+    policy, r = profiled_request(k)
     ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
     assert policy.drafters([r], ctx) == [r]
     policy.widths([r], None, ctx)
@@ -621,15 +628,12 @@ def test_a_one_request_verification_is_priced_by_its_compiled_width_and_tried_on
     assert cost.snapshot()["target_1req_4tok_ms"] == pytest.approx(13.0)
     assert cost.untimed(5, 1)  # width 8: not timed yet
     eager = CostModel()  # no compiled widths (an eager engine): each count its own
-    for n in range(40, 300, 20):
-        eager.observe_target(n, 1, 0.035 + 0.0003 * n, prefill=True)
+    observe_one_request_chunks(eager)
     eager.observe_target(1, 1, 0.010)
     assert eager.one_key(3) == 3 and not eager.untimed(3, 1)
     assert eager.target_s(3, 1) > 0.03  # the line: an eager pass's base cost
-    none = CostPolicy(k)
-    for _ in range(40):
-        none.observe(r, k, int((torch.rand(k - 1, generator=g) < 0.7).cumprod(0).sum()), k)
     eager.drafter.pin([0.004, 0.001, 0.0])
+    none, r = profiled_request(k, seed=1)
     assert none.drafters([r], PolicyContext(k, 1.0, eager, budget=512, other_tokens=0)) == []
 
 
