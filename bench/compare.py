@@ -1373,6 +1373,7 @@ def main() -> None:
             target,
             [(), tuple(served.cfg.target_layer_ids)],
             batch_sizes(max(args.concurrency)),
+            served,
         )
         if study_policies and not args.no_compile
         else {}

@@ -470,9 +470,10 @@ def main() -> None:
     # arms interleaved: a slow phase hits both
     todo = [(loss, r) for r in range(args.repeats) for loss in args.arms if (loss, r) not in done]
     if todo and args.compile:  # the graphs `serve` compiles in the background, built here first
-        capture = tuple(load_drafter(Path(args.drafter), "float32").cfg.target_layer_ids)
+        shipped = load_drafter(Path(args.drafter), "float32")
+        capture = tuple(shipped.cfg.target_layer_ids)
         batches = batch_sizes(args.concurrency)
-        result["compile_s"] = compile_now(target, [(), capture], batches)
+        result["compile_s"] = compile_now(target, [(), capture], batches, shipped)
     for loss, repeat in todo:
         arm = run_arm(loss, repeat, target_dir, target, tok, eval_prompts, args)
         arm |= {"machine": result["machine"], "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -70,7 +70,7 @@ def main() -> None:
     weak = cmp.weak_drafter(shipped, 0).to(torch.bfloat16)
     t0 = time.time()
     capture = tuple(served.cfg.target_layer_ids)
-    compile_now(target, [(), capture], batch_sizes(max(args.concurrency)))
+    compile_now(target, [(), capture], batch_sizes(max(args.concurrency)), served)
     compile_s = time.time() - t0
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     engines = tuple(

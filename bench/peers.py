@@ -194,7 +194,8 @@ def main() -> None:
         graphs = [()] + (
             [tuple(drafter.cfg.target_layer_ids)] if drafter is not None and speculative else []
         )
-        compile_s = compile_now(target, graphs, batch_sizes(max(args.batches)))
+        spec = drafter if drafter is not None and speculative else None
+        compile_s = compile_now(target, graphs, batch_sizes(max(args.batches)), spec)
     route = compiled_route(target)
     runners: dict[str, Run] = {"adaflash-ar": adaflash_runner(target, None, "ar")}
     if not args.no_compile:

@@ -72,7 +72,7 @@ def main() -> None:
     drafter = load_drafter(Path(args.drafter), args.dtype)
     c = args.concurrency
     capture = tuple(drafter.cfg.target_layer_ids)
-    compile_s = compile_now(target, [(), capture], batch_sizes(c) if c > 1 else ())
+    compile_s = compile_now(target, [(), capture], batch_sizes(c) if c > 1 else (), drafter)
     prompts = [
         encode_prompt(tok, p.prompt, chat=True)
         for p in load_prompts(args.domain, "eval", args.prompts)

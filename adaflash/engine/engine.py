@@ -45,6 +45,7 @@ from adaflash.engine.request import (
 from adaflash.engine.round import Drafting, Propose, RoundResult, Verified, speculative_round
 from adaflash.engine.scheduler import Admission, Scheduler
 from adaflash.metrics import SpecCounters
+from adaflash.models import draft_graph
 from adaflash.models.decode_graph import batch_sizes, compile_enabled
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.kv_cache import KVCache
@@ -566,7 +567,11 @@ class Engine:
             self.target.device,
             initial_rows=self.cfg.max_running_requests,
         )
-        self.drafting = Drafting(drafter, version, cache, self.features, self._propose())
+        graph = None
+        if self.cfg.compile and compile_enabled():  # the compiled drafter pass, where it serves
+            graph = draft_graph.shared()
+            graph.request(drafter)
+        self.drafting = Drafting(drafter, version, cache, self.features, self._propose(), graph)
         self.version, self.block_size = version, c.block_size
         if self.cfg.max_batch_tokens < c.block_size:
             raise ValueError(

@@ -25,6 +25,7 @@ from adaflash.decoding.sampling import sample, target_probs
 from adaflash.engine.policy import Policy, PolicyContext
 from adaflash.engine.request import FeatureStore, Request
 from adaflash.engine.scheduler import Admission, Prefill
+from adaflash.models.draft_graph import DraftGraph
 from adaflash.models.drafter import KV, BatchedContext, DFlashDrafter
 from adaflash.models.kv_cache import KVCache
 from adaflash.models.target import PackedBatch, TargetModel, TargetOutput
@@ -49,6 +50,7 @@ class Drafting:
     cache: KVCache  # per request: the drafter layers' context keys/values
     features: FeatureStore  # per request: raw target features of committed positions
     propose: Propose | None = None
+    graph: DraftGraph | None = None  # the compiled drafter pass, where it serves
 
 
 @dataclass
@@ -210,7 +212,9 @@ def draft_plans(
     context = BatchedContext.stack([drafter_context(d, r) for r in both])
     with torch.inference_mode():
         block = target.embed_tokens(block_ids.to(target.device))  # (B, k, H)
-        states = d.drafter.draft_states(block, positions, context)  # (B, k, H)
+        states = None if d.graph is None else d.graph.states(d.drafter, block, positions, context)
+        if states is None:  # no compiled pass for this call: the eager one
+            states = d.drafter.draft_states(block, positions, context)  # (B, k, H)
         mine, shadow = states[: len(spec)], states[len(spec) :]
         for r, row in zip(probes, propose(target, d, probes, shadow, k), strict=True):
             r.shadow, r.shadow_seen = (len(r.output_ids), row), 0

@@ -81,6 +81,7 @@ from adaflash.paths import write_text_atomic
 from adaflash.pull import cache_dir
 
 if TYPE_CHECKING:
+    from adaflash.models.drafter import DFlashDrafter
     from adaflash.models.kv_cache import KVCache
     from adaflash.models.layers import Packed
     from adaflash.models.target import DecoderLayer, PackedBatch, TargetModel
@@ -892,20 +893,28 @@ def compiled_route(target: TargetModel) -> dict[str, bool] | None:
 
 
 def compile_now(
-    target: TargetModel, captures: list[tuple[int, ...]], batches: tuple[int, ...] = ()
+    target: TargetModel,
+    captures: list[tuple[int, ...]],
+    batches: tuple[int, ...] = (),
+    drafter: DFlashDrafter | None = None,
 ) -> dict[str, float]:
     """Build, in the foreground, the graphs ``serve`` builds in the background for these
     captured-layer sets (plain decoding for ``()``; decode and verification widths for a drafter's;
-    batched decode steps of ``batches`` requests), before a benchmark times anything; seconds
+    batched decode steps of ``batches`` requests) and, with ``drafter``, its compiled pass
+    (``models/draft_graph.py``, where it serves), before a benchmark times anything; seconds
     per graph, by a readable name. Raises if one failed."""
+    from adaflash.models import draft_graph  # (it imports this module)
+
     graph = None
     for capture in captures:
         graph = target.compile_decode(capture, bool(capture), False, batches)
         if graph.failed:
             raise RuntimeError(f"compiling the decode step failed: {graph.failed}")
-    if graph is None:
-        return {}
-    return {name(key): round(t, 1) for key, t in graph.compile_s.items()}
+    seconds = {} if graph is None else {name(k): round(t, 1) for k, t in graph.compile_s.items()}
+    if drafter is not None:
+        built = draft_graph.compile_now(drafter, target.dtype)
+        seconds |= {f"drafter pass, {k}": t for k, t in built.items()}
+    return seconds
 
 
 def name(key: Key) -> str:
