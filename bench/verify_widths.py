@@ -8,7 +8,12 @@ not timed). Every engine runs the compiled steps ``serve`` runs, built before an
 timed. The methods take turns within each repeat, so whatever else slows the machine slows
 them alike; speedups are over ``ar``'s median.
 
+With several ``--drafter`` folders (an adapting drafter's versions, say), each is measured so,
+one after another, against its own ``ar`` passes: does the default policy's tokens/s rise with
+the drafter's τ?
+
     python bench/verify_widths.py --drafter PATH --out docs/results/adapt/…/verify_widths.json
+    python bench/verify_widths.py --drafter V0 V1 … --widths 4 --out …
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from adaflash.engine import policy as policies
 from adaflash.engine.engine import Engine
 from adaflash.hardware import cpu_info
 from adaflash.models.decode_graph import batch_sizes, compile_now
-from adaflash.models.drafter import load_drafter
-from adaflash.models.target import load_target
+from adaflash.models.drafter import DFlashDrafter, load_drafter
+from adaflash.models.target import TargetModel, load_target
 from adaflash.paths import REPO, repo_relative, write_text_atomic
 from adaflash.pull import resolve_target
 from adaflash.tokenizer import Tokenizer
@@ -51,8 +56,10 @@ class FixedWidth(policies.Policy):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--drafter", default=str(REPO / "assets" / "drafters" / DEFAULT_DRAFTER))
-    ap.add_argument("--drafter-note", default="", help="where the drafter came from (kept)")
+    ap.add_argument(
+        "--drafter", nargs="+", default=[str(REPO / "assets" / "drafters" / DEFAULT_DRAFTER)]
+    )
+    ap.add_argument("--drafter-note", default="", help="where the drafters came from (kept)")
     ap.add_argument("--target", default=None)
     ap.add_argument("--domain", default="math")
     ap.add_argument("--prompts", type=int, default=8)
@@ -69,14 +76,43 @@ def main() -> None:
     target_dir = resolve_target(args.target)
     target = load_target(target_dir, args.dtype)
     tok = Tokenizer.from_folder(target_dir)
-    drafter = load_drafter(Path(args.drafter), args.dtype)
+    drafters = [load_drafter(Path(d), args.dtype) for d in args.drafter]
     c = args.concurrency
-    capture = tuple(drafter.cfg.target_layer_ids)
-    compile_s = compile_now(target, [(), capture], batch_sizes(c) if c > 1 else (), drafter)
+    capture = tuple(drafters[0].cfg.target_layer_ids)
+    batches = batch_sizes(c) if c > 1 else ()
+    compile_s = compile_now(target, [(), capture], batches, drafters[0])
     prompts = [
         encode_prompt(tok, p.prompt, chat=True)
         for p in load_prompts(args.domain, "eval", args.prompts)
     ]
+    measured = [
+        measure(target, tok, drafter, prompts, args) | {"drafter": repo_relative(Path(path))}
+        for path, drafter in zip(args.drafter, drafters, strict=True)
+    ]
+    result = {
+        "benchmark": "bench/verify_widths.py",
+        "args": {**vars(args), "drafter": [repo_relative(Path(d)) for d in args.drafter]},
+        "machine": cpu_info(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "compile_s": compile_s,
+        **(measured[0] if len(measured) == 1 else {"drafters": measured}),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps(result, indent=1) + "\n")
+    print(json.dumps([m["summary"] for m in measured], indent=1))
+    print(f"wrote {out}")
+
+
+def measure(
+    target: TargetModel,
+    tok: Tokenizer,
+    drafter: DFlashDrafter,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+) -> dict:
+    """One drafter: ``ar``, every fixed width, ``cost`` cold and warm, taking turns."""
+    c = args.concurrency
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
 
     def engine(policy: Policy, width: int | None = None) -> Engine:
@@ -125,22 +161,12 @@ def main() -> None:
         }
         for name, rs in runs.items()
     }
-    result = {
-        "benchmark": "bench/verify_widths.py",
-        "args": {**vars(args), "drafter": repo_relative(Path(args.drafter))},
-        "machine": cpu_info(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "compile_s": compile_s,
+    return {
         "runs": runs,
         "summary": summary,
         "cost_warm_model_ms": {k: round(v, 3) for k, v in warm.cost.snapshot().items()},
         "cost_warm_probes": warm.stats.probes,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps(result, indent=1) + "\n")
-    print(json.dumps(summary, indent=1))
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
