@@ -203,7 +203,8 @@ def _inputs(
         [(kv[0][:, : context - i], kv[1][:, : context - i])] * c.num_layers for i in range(requests)
     ]
     ctx = BatchedContext.stack(per_request)
-    block = torch.zeros(requests, q, c.hidden_size, dtype=dt)
+    with torch.inference_mode():  # as the engine's: the target's embeddings (a guard checks)
+        block = torch.zeros(requests, q, c.hidden_size, dtype=dt)
     positions = torch.arange(q)[None].expand(requests, -1) + context
     for t in [*ctx.keys, *ctx.values]:
         torch._dynamo.mark_dynamic(t, 2)

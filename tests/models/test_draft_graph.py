@@ -25,6 +25,13 @@ def served(seed: int) -> DFlashDrafter:
     return d
 
 
+@pytest.fixture
+def no_recompiles():
+    """Serving must hit the graphs built ahead (a recompile stalls a step for seconds)."""
+    with torch.compiler.set_stance("fail_on_recompile"):
+        yield
+
+
 def inputs(d: DFlashDrafter, lengths: list[int], seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
@@ -32,7 +39,7 @@ def inputs(d: DFlashDrafter, lengths: list[int], seed: int = 1):
             d.context_kv(torch.randn(n, 2 * 64, generator=g).bfloat16(), torch.arange(n))
             for n in lengths
         ]
-    block = torch.randn(len(lengths), 4, 64, generator=g).bfloat16()
+        block = torch.randn(len(lengths), 4, 64, generator=g).bfloat16()  # as the engine's
     positions = torch.tensor(lengths)[:, None] + torch.arange(4)
     return block, positions, BatchedContext.stack(ctx)
 
@@ -51,7 +58,7 @@ def graph() -> DraftGraph:
 
 
 @pytest.mark.parametrize("lengths", [[9], [30], [7, 3, 12], [2, 40]])
-def test_the_compiled_pass_computes_the_eager_pass_states(graph, lengths):
+def test_the_compiled_pass_computes_the_eager_pass_states(graph, lengths, no_recompiles):
     d = served(0)
     block, positions, ctx = inputs(d, lengths)
     got = graph.states(d, block, positions, ctx)
@@ -61,12 +68,10 @@ def test_the_compiled_pass_computes_the_eager_pass_states(graph, lengths):
     assert torch.allclose(got.float(), want.float(), atol=0.05, rtol=0.05)
 
 
-def test_a_hot_swapped_version_runs_on_the_same_graph_with_its_own_weights(graph):
+def test_a_hot_swapped_version_runs_on_the_same_graph_with_its_own_weights(graph, no_recompiles):
     old, new = served(0), served(7)
     block, positions, ctx = inputs(old, [11])
-    counted = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     a, b = graph.states(old, block, positions, ctx), graph.states(new, block, positions, ctx)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == counted  # no recompile
     assert a is not None and b is not None and not torch.equal(a, b)
     want = eager(new, block, positions, ctx)
     assert torch.allclose(b.float(), want.float(), atol=0.05, rtol=0.05)
