@@ -52,7 +52,9 @@ lockstep study on a Zen 3 EPYC, math at 8 requests with the oracle drafter, draf
 calibration (``CostPolicy.calibration``) corrects each slot on average over the requests that
 verified it; a drafting step's tokens are also off where a request's own profile is stale (an
 oracle drafter whose request left its reference on a bf16 near-tie: committed 1/1.05–1/1.10 of
-its expected tokens at 8 requests on a Zen 3 EPYC, after the time side was calibrated).
+its expected tokens at 8 requests on a Zen 3 EPYC, after the time side was calibrated). Both
+are measured on drafting steps alone, so each fades back to 1 over plain steps (``plain_step``):
+a value that stopped the drafting is tried again, and stops it again if it was right.
 Where nobody is queued and every request drafts, a plan is worth its least request's expected
 drafts for the whole batch (``policy.drafts_worth``), but the batch runs as long as the request
 that ends up last: ``whole_yield`` is what such steps gained the batch (``policy.batch_gain``)
@@ -189,6 +191,7 @@ WHOLE_MAX = 1.5  # … and the most it may credit
 QUEUE_DECAY = 0.95  # per drafting step with a queue: ``queue_yield`` follows its last ~20
 QUEUE_RELAX = 0.98  # per plain step with a queue: its evidence fades towards the prior, so a
 # yield that fell is tried again (at 0 no drafting step would ever measure it again)
+DRAFTING_RELAX = 0.98  # per plain step: ``drafting_bias`` and ``drafting_yield`` fade towards 1
 
 
 @dataclass
@@ -314,6 +317,17 @@ class CostModel:
             self.drafting_bias = drift(self.drafting_bias, measured / predicted, BIAS_RANGE)
         if expected and committed is not None:
             self.drafting_yield = drift(self.drafting_yield, committed / expected, YIELD_RANGE)
+
+    def plain_step(self) -> None:
+        """A step that verified no drafts: ``drafting_bias`` and ``drafting_yield`` move
+        ``1 − DRAFTING_RELAX`` of the way back to 1. They are measured on drafting steps alone,
+        so a value that fell would otherwise stand for good once it stopped the drafting: a
+        fresh engine's first drafting steps, planned on profiles a few probes old, committed
+        0.78 of their tokens; the value that left (0.75) priced the adapted drafter's plans —
+        which measured 1.14× plain decoding at width 4 — at 0.81× the plain step, and the
+        policy never drafted again (math, one request, Zen 4)."""
+        self.drafting_bias = 1.0 + DRAFTING_RELAX * (self.drafting_bias - 1.0)
+        self.drafting_yield = 1.0 + DRAFTING_RELAX * (self.drafting_yield - 1.0)
 
     def observe_whole_step(self, planned: float, gained: float) -> None:
         """A step in which every request drafted and nobody was queued: the least request's

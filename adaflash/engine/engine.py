@@ -372,8 +372,10 @@ class Engine:
                 self.stats.whole_gained += gained
             elif self.waiting:  # others queued: what the known work's end gained
                 self._measure_queue_step(res, max((expected or 0.0) - len(res.verified), 0.0))
-        elif self.waiting:
-            self.cost.queue_idle_step()
+        else:
+            self.cost.plain_step()
+            if self.waiting:
+                self.cost.queue_idle_step()
         if res.drafted:
             self.stats.predicted_drafting_s += predicted
             self.stats.measured_drafting_s += measured

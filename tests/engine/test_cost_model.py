@@ -957,6 +957,30 @@ def test_drafting_steps_that_committed_fewer_tokens_than_expected_make_drafting_
     assert cost.drafting_yield == before
 
 
+def test_a_drafting_value_that_stopped_the_drafting_fades_back_over_plain_steps():
+    """Yield and bias are measured on drafting steps alone: one that fell and stopped them
+    would stand for good. Over plain steps both fade back to 1, so drafting is tried again,
+    and steps that keep falling short stop it again."""
+    cost, policy, reqs = drafting_eight(0.030)
+    ctx = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
+    for _ in range(30):
+        cost.observe_drafting_step(0.050, 0.065, 20.0, 15.0)  # slower and fewer than planned
+    assert cost.drafting_value < 0.6 and policy.drafters(reqs, ctx) == []
+    plain = 0
+    while not policy.drafters(reqs, ctx):
+        cost.plain_step()
+        plain += 1
+        assert plain < 100
+    assert 5 < plain < 60 and cost.drafting_value > 0.75
+    for _ in range(10):
+        cost.observe_drafting_step(0.050, 0.065, 20.0, 15.0)
+    assert policy.drafters(reqs, ctx) == []  # still short: stopped again
+    for _ in range(500):
+        cost.plain_step()
+    assert cost.drafting_bias == pytest.approx(1.0, abs=1e-3)
+    assert cost.drafting_yield == pytest.approx(1.0, abs=1e-3)
+
+
 def test_a_plain_price_is_stale_until_measured_and_again_after_a_while():
     cost = CostModel()
     cost.compiled((16,), 2)
