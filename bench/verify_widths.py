@@ -67,6 +67,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--widths", type=int, nargs="+", default=[2, 3, 4, 6, 8, 16])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--eager-drafter",
+        action="store_true",
+        help="each width also with the drafter's pass eager (what its compiled pass saves)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--beside", default="nothing", help="what else ran on the machine meanwhile")
@@ -115,7 +120,7 @@ def measure(
     c = args.concurrency
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
 
-    def engine(policy: Policy, width: int | None = None) -> Engine:
+    def engine(policy: Policy, width: int | None = None, eager: bool = False) -> Engine:
         e = Engine(
             target,
             None if policy == "ar" else drafter,
@@ -127,6 +132,8 @@ def measure(
         )
         if width is not None:
             e._policy = FixedWidth(width)
+        if eager and e.drafting is not None:
+            e.drafting.graph = None
         return e
 
     def timed(e: Engine) -> dict:
@@ -145,6 +152,8 @@ def measure(
     makers: dict[str, Callable[[], Engine]] = {"ar": lambda: engine("ar")}
     for w in args.widths:
         makers[f"w{w}"] = functools.partial(engine, "fixed", w)
+        if args.eager_drafter:
+            makers[f"w{w}-eager-drafter"] = functools.partial(engine, "fixed", w, True)
     makers["cost"] = lambda: engine("cost")
     runs: dict[str, list[dict]] = {name: [] for name in [*makers, "cost-warm"]}
     for _ in range(args.repeats):
