@@ -77,7 +77,7 @@ def test_a_hot_swapped_version_runs_on_the_same_graph_with_its_own_weights(graph
     assert torch.allclose(b.float(), want.float(), atol=0.05, rtol=0.05)
 
 
-def test_where_it_does_not_serve_the_caller_gets_none_and_runs_eager(graph, monkeypatch):
+def test_where_it_does_not_serve_the_caller_gets_none_and_runs_eager(graph):
     d = served(0)
     block, positions, ctx = inputs(d, [1])  # one context position: its size would specialise
     assert graph.states(d, block, positions, ctx) is None
