@@ -402,11 +402,9 @@ class CostModel:
         self.widths = widths
 
     def one_width(self, tokens: int) -> int | None:
-        """The smallest compiled one-request verification width that holds ``tokens`` (≥ 2;
-        every count padded up to it runs that graph and costs what it costs), else None."""
-        if tokens < 2:
-            return None
-        return min((w for w in self.widths if w >= tokens), default=None)
+        """The compiled one-request verification width that runs ``tokens`` (every count padded
+        up to it runs that graph and costs what it costs), else None (``verification_width``)."""
+        return verification_width(self.widths, tokens)
 
     def one_key(self, tokens: int) -> int:
         """The one-request table's key for a pass of ``tokens``: its compiled width, else the
@@ -531,6 +529,13 @@ class CostModel:
 def drift(value: float, ratio: float, bounds: tuple[float, float]) -> float:
     """``value`` moved ``BIAS_RATE`` of the way to ``ratio`` clipped to ``bounds``."""
     return value + BIAS_RATE * (min(max(ratio, bounds[0]), bounds[1]) - value)
+
+
+def verification_width(widths: Iterable[int], tokens: int) -> int | None:
+    """Of the compiled one-request verification widths, the one that runs ``tokens`` (≥ 2):
+    the smallest that holds them; None where none does. The rule ``DecodeGraph.width`` runs by,
+    and that the cost model prices by."""
+    return min((w for w in widths if w >= tokens > 1), default=None)
 
 
 def batched_verification(

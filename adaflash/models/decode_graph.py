@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash.cost_model import batched_verification
+from adaflash.cost_model import batched_verification, verification_width
 from adaflash.hardware import cpu_flags, cpu_info, cpuinfo, native_bf16
 from adaflash.models import gemv as gemv_kernel
 from adaflash.models.layers import apply_rope
@@ -551,7 +551,7 @@ class DecodeGraph:
         widths = [t for c, t, b in keys if c == tuple(capture) and b == 1]
         if tokens == 1:
             return 1 if 1 in widths else None
-        return min((t for t in widths if t >= tokens > 1), default=None)
+        return verification_width(widths, tokens)
 
     def batch_verify(self, capture: tuple[int, ...], lengths: tuple[int, ...]) -> Key | None:
         """The compiled batched verification that takes requests of these token counts (two or
