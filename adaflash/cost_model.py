@@ -47,14 +47,15 @@ their measured ÷ predicted seconds, decayed, and every drafting plan's seconds 
 the others do not (a drafter pass beside the target's, requests padded to a width); in a
 lockstep study on a Zen 3 EPYC, math at 8 requests with the oracle drafter, drafting steps took
 1.08× their prediction and the policy, drafting where it predicted a narrow gain, ran at 0.96×
-``ar``. The tokens side gets the same check: ``drafting_yield`` is the drafting steps' committed
-÷ expected tokens, decayed, and every drafting plan's tokens are scaled by it. The per-slot
-calibration (``CostPolicy.calibration``) corrects each slot on average over the requests that
-verified it; a drafting step's tokens are also off where a request's own profile is stale (an
-oracle drafter whose request left its reference on a bf16 near-tie: committed 1/1.05–1/1.10 of
-its expected tokens at 8 requests on a Zen 3 EPYC, after the time side was calibrated). Both
-are measured on drafting steps alone, so each fades back to 1 over plain steps (``plain_step``):
-a value that stopped the drafting is tried again, and stops it again if it was right.
+``ar``. It is measured on drafting steps alone, so it fades back to 1 over plain steps
+(``plain_step``): a value that stopped the drafting is tried again, and stops it again if it was
+right. The tokens side has no such factor: a plan's tokens are the policy's estimates
+(``CostPolicy.survival``). Until 2026-12-07 the drafting steps' committed ÷ expected tokens
+scaled them too (``drafting_yield``), beside a per-slot calibration of the same kind; both were
+learnt on drafting steps alone, which the policy takes where its estimates look best, so they
+ran below 1 and took the drafting with them (one request, a drafter right half the time per
+slot: width 4 every round 1.32× ``ar``, the policy with them 1.02×, without them and with its
+profiles shrunk harder 1.22×; ``policy.DECAY``).
 Where nobody is queued and every request drafts, a plan is worth its least request's expected
 drafts for the whole batch (``policy.drafts_worth``), but the batch runs as long as the request
 that ends up last: ``whole_yield`` is what such steps gained the batch (``policy.batch_gain``)
@@ -184,14 +185,13 @@ PLAIN_REFRESH = 64  # target passes after which a plain price is measured again 
 REFRESH_RATE = 0.5  # weight of a measurement taken after its price went stale
 BIAS_RATE = 0.1  # weight of a drafting step's measured ÷ predicted seconds in ``drafting_bias``
 BIAS_RANGE = (0.5, 2.0)  # one step's ratio is clipped to this (a GC pause, a compile)
-YIELD_RANGE = (0.5, 1.5)  # … and one step's committed ÷ expected tokens to this
 WHOLE_DECAY = 0.95  # per all-request drafting step: ``whole_yield`` follows its last ~20
 WHOLE_PRIOR = 1.0  # planned drafts' worth of "as planned" it starts from
 WHOLE_MAX = 1.5  # … and the most it may credit
 QUEUE_DECAY = 0.95  # per drafting step with a queue: ``queue_yield`` follows its last ~20
 QUEUE_RELAX = 0.98  # per plain step with a queue: its evidence fades towards the prior, so a
 # yield that fell is tried again (at 0 no drafting step would ever measure it again)
-DRAFTING_RELAX = 0.98  # per plain step: ``drafting_bias`` and ``drafting_yield`` fade towards 1
+DRAFTING_RELAX = 0.98  # per plain step: ``drafting_bias`` fades towards 1
 
 
 @dataclass
@@ -252,7 +252,6 @@ class CostModel:
     mixed: dict[int, RecursiveLeastSquares] = field(default_factory=dict)
     target_passes: int = 0  # every target pass observed (line and tables)
     drafting_bias: float = 1.0  # drafting steps' measured ÷ predicted seconds, decayed
-    drafting_yield: float = 1.0  # drafting steps' committed ÷ expected tokens, decayed
     # all-request drafting steps with nobody queued: drafts the batch as a whole gained and
     # the least request's expected drafts they were planned at (``whole_yield``)
     whole: DecayedYield = field(default_factory=lambda: DecayedYield(WHOLE_DECAY, WHOLE_MAX))
@@ -302,32 +301,21 @@ class CostModel:
     def observe_drafter(self, requests: int, seconds: float, context: int = 0) -> None:
         self.drafter.update([1.0, float(requests), float(context)], seconds)
 
-    def observe_drafting_step(
-        self,
-        predicted: float,
-        measured: float,
-        expected: float | None = None,
-        committed: float | None = None,
-    ) -> None:
+    def observe_drafting_step(self, predicted: float, measured: float) -> None:
         """A step in which some request verified drafts: the seconds it was priced at (drafter
-        and target pass, unscaled) and the seconds it took, the tokens it was expected to
-        commit (unscaled) and the tokens it committed. Their ratios, decayed, are
-        ``drafting_bias`` and ``drafting_yield``."""
+        and target pass, unscaled) and the seconds it took. Their ratio, decayed, is
+        ``drafting_bias``."""
         if predicted > 0:
             self.drafting_bias = drift(self.drafting_bias, measured / predicted, BIAS_RANGE)
-        if expected and committed is not None:
-            self.drafting_yield = drift(self.drafting_yield, committed / expected, YIELD_RANGE)
 
     def plain_step(self) -> None:
-        """A step that verified no drafts: ``drafting_bias`` and ``drafting_yield`` move
-        ``1 − DRAFTING_RELAX`` of the way back to 1. They are measured on drafting steps alone,
-        so a value that fell would otherwise stand for good once it stopped the drafting: a
-        fresh engine's first drafting steps, planned on profiles a few probes old, committed
-        0.78 of their tokens; the value that left (0.75) priced the adapted drafter's plans —
-        which measured 1.14× plain decoding at width 4 — at 0.81× the plain step, and the
-        policy never drafted again (math, one request, Zen 4)."""
+        """A step that verified no drafts: ``drafting_bias`` moves ``1 − DRAFTING_RELAX`` of
+        the way back to 1. It is measured on drafting steps alone, so a value that rose would
+        otherwise stand for good once it stopped the drafting (the tokens' factor it once had
+        beside it did: 0.75 priced the adapted drafter's plans — which measured 1.14× plain
+        decoding at width 4 — at 0.81× the plain step, and the policy never drafted again;
+        math, one request, Zen 4)."""
         self.drafting_bias = 1.0 + DRAFTING_RELAX * (self.drafting_bias - 1.0)
-        self.drafting_yield = 1.0 + DRAFTING_RELAX * (self.drafting_yield - 1.0)
 
     def observe_whole_step(self, planned: float, gained: float) -> None:
         """A step in which every request drafted and nobody was queued: the least request's
@@ -365,22 +353,21 @@ class CostModel:
         return self.whole.value
 
     def new_drafter(self) -> None:
-        """A new drafter version: what its plans commit is not known yet (its time side, and
-        every pass's price, still hold)."""
-        self.drafting_yield = 1.0
+        """A new drafter version: what its plans gain a batch is not known yet (its time side,
+        and every pass's price, still hold)."""
         self.whole.reset()
         self.queue.reset()
 
     @property
     def drafting_value(self) -> float:
-        """What a drafting plan's expected tokens per predicted second are worth, lately: the
-        committed share of its tokens over the measured share of its seconds — never above 1.
-        Drafting steps that went better than planned do not make the policy bet beyond its
-        own estimates: it scales every token of a plan, the one each request is certain of
+        """What a drafting plan's expected tokens per predicted second are worth, lately: its
+        predicted seconds over the measured ones (``drafting_bias``) — never above 1. Drafting
+        steps that went faster than planned do not make the policy bet beyond its own
+        estimates: it scales every token of a plan, the one each request is certain of
         included, so a value of 1.1 (learnt from a step beside a prompt chunk, priced at
         1.07 s, that took 0.46 s) made a plain step with a drafter pass beside it look 1.1×
         as good as the plain step (shipped drafter, code at C = 16, Zen 4)."""
-        return min(self.drafting_yield / self.drafting_bias, 1.0)
+        return min(1.0 / self.drafting_bias, 1.0)
 
     def compiled(
         self,
@@ -518,7 +505,6 @@ class CostModel:
                 for part, v in zip(("base", "per_token"), line.theta, strict=True)
             },
             "drafting_bias": self.drafting_bias,
-            "drafting_yield": self.drafting_yield,
             "whole_yield": self.whole_yield,
             "queue_yield": self.queue_yield,
             "target_steps_seen": float(self.target_passes),

@@ -361,7 +361,7 @@ class Engine:
             # nor from a pass priced on a compiled graph not timed yet (``CostModel.untimed``):
             # that price was a guess to try it, not a prediction
             priced = 0.0 if chunk or self._policy.untimed else predicted
-            self.cost.observe_drafting_step(priced, measured, expected, committed)
+            self.cost.observe_drafting_step(priced, measured)
             least = self._policy.whole_least
             if least is not None:  # every request drafted, nobody queued: what the batch got
                 left = [v.plan.req.tokens_left for v in res.verified]

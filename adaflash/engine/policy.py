@@ -10,9 +10,12 @@
 
 ``cost`` in detail. Each request keeps decayed counts of how often each draft slot was accepted
 when verified after every slot before it was (``reached``); its acceptance profile a_i is those
-counts shrunk towards the engine-wide profile. Planned survival is then scaled per slot by what
-the slots planned lately returned (``calibration``): choosing the requests whose last rounds
-went best overrates them.
+counts shrunk towards the engine-wide profile with ``PRIOR_WEIGHT`` rounds of it
+(``shrunk_rate``). How much a request's own rounds say was measured
+(``bench/acceptance_memory.py``, docs/results/policy/): a round that missed says next to nothing
+about the next, while requests differ; so the profile follows ~20 rounds, shrunk with 8 rounds
+of the engine-wide one (``DECAY``). The shrinkage is also what keeps the requests whose last
+rounds went best from being overrated when they are chosen (the winner's curse).
 The expected tokens from verifying w slots are τ(w) = 1 + Σ_{i<w} Π_{j≤i} a_j. With the
 drafter's cost and the target's cost per verified token fixed, adding the next slot of a request
 pays exactly when its survival Π a_j exceeds the current tokens-per-second times the time of one
@@ -174,13 +177,19 @@ class HeadPolicy(Policy):
         return verify_len(a_hat, ctx.block_size, ctx.gamma)
 
 
-DECAY = 0.9  # per verified round: a request's profile follows its last ~10 rounds
+# per verified round: a request's profile follows its last ~20 rounds … (one request at a time,
+# every round verifying the whole block, shipped drafter, 8 eval prompts × 256 tokens a domain,
+# bench/acceptance_memory.py: after a round that accepted no draft the next accepted one or
+# more 34% of the time on math, 46% on code, 35% on chat; after one that accepted some, 28%,
+# 43%, 42% — no streaks to follow — while requests' own means ranged 0.17–0.54 drafts a round
+# on math; the Brier score of slots 1–3 predicted before each round was within 0.001 of the
+# grid's best on all three with these constants, and worst on math, above the engine-wide
+# profile alone, with the ones before, 10 rounds shrunk with one: 0.212 against 0.205)
+DECAY = 0.95
 ENGINE_DECAY = 0.995  # … and the engine-wide profile its last ~200
 MAX_PROBE_GAP = 256  # rounds: a request whose probes keep failing is probed this rarely
-PRIOR_WEIGHT = 1.0  # rounds' worth of the engine-wide profile mixed into each request's
+PRIOR_WEIGHT = 8.0  # … shrunk with this many rounds' worth of the engine-wide profile
 START = (0.0, 1.0)  # engine-wide (accepted, verified) per slot before any round: a = 0, weak
-CAL_DECAY = 0.99  # per verified slot: the calibration follows its last ~100 verifications
-CAL_WEIGHT = 2.0  # planned tokens' worth of "as planned" it starts from
 # probes spend at most this share of the serving time, at the drafter-wide gap ``probe_every``
 # (less as it grows) … (with a drafter that never pays, the share is what cost speculation
 # loses to plain decoding: 1% was ~1% of every cell at C = 1)
@@ -222,6 +231,13 @@ def count_slots(
         ok[i] = decay * ok[i] + float(i < accepted)
 
 
+def shrunk_rate(ok: float, seen: float, prior: float, weight: float | None = None) -> float:
+    """A slot's acceptance by a request's own decayed counts, shrunk towards ``prior`` (the
+    engine-wide rate) with ``weight`` rounds' worth of it (``PRIOR_WEIGHT``), in [0, 1]."""
+    w = PRIOR_WEIGHT if weight is None else weight
+    return min(max((ok + w * prior) / (seen + w), 0.0), 1.0)
+
+
 def profile(r: Request, block_size: int) -> tuple[list[float], list[float]]:
     if len(r.slot_seen) != block_size - 1:
         r.slot_seen, r.slot_ok = [0.0] * (block_size - 1), [0.0] * (block_size - 1)
@@ -258,10 +274,6 @@ class CostPolicy(Policy):
         # … and the drafts it was expected to find within each number of slots compared
         self.launched: dict[int, tuple[int, int, float, list[float]]] = {}
         self.probe_budget_s = PROBE_START_S  # what probes may still spend (docstring)
-        # calibration per slot: decayed Σ planned survival and Σ accepted over verified slots
-        self.cal_planned = [CAL_WEIGHT] * (self.block_size - 1)
-        self.cal_accepted = [CAL_WEIGHT] * (self.block_size - 1)
-        self.planned: dict[int, list[float]] = {}  # this step's raw survival per request
 
     def observe_probe(
         self, r: Request, compared: int, accepted: int, block_size: int, seen: int = 0
@@ -325,65 +337,35 @@ class CostPolicy(Policy):
 
     def observe(self, r: Request, verify_len: int, accepted: int, block_size: int) -> None:
         if verify_len < 2 and len(self.seen) == block_size - 1:
-            self.planned.pop(id(r), None)  # a plain round measures nothing (most rounds)
-            return
-        self.state = next(_states)  # profiles and calibration change below
-        planned = self.planned.pop(id(r), [])
-        for i, s in enumerate(planned[: verify_len - 1]):
-            self.cal_planned[i] = CAL_DECAY * self.cal_planned[i] + s
-            self.cal_accepted[i] = CAL_DECAY * self.cal_accepted[i] + float(i < accepted)
+            return  # a plain round measures nothing (most rounds)
+        self.state = next(_states)  # profiles change below
         super().observe(r, verify_len, accepted, block_size)
         if len(self.seen) != block_size - 1:
             self.block_size = block_size
             self.reset()
         count_slots(self.seen, self.ok, reached(verify_len, accepted), accepted, ENGINE_DECAY)
 
-    def survival(self, r: Request, block_size: int, calibrated: bool = True) -> list[float]:
-        """Π_{j≤i} a_j for slots i = 1 … k−1 of this request; ``calibrated``: as planned
-        (``calibrate``). Kept on the request until a verified round or a probe changes a
-        profile (recomputed for 16 requests every step, it took 0.23 ms a step); the list
-        returned is that kept one: read it, never change it."""
-        kept = self.kept_survival(r, block_size)
-        return kept[2] if calibrated else kept[1]
+    def survival(self, r: Request, block_size: int) -> list[float]:
+        """Π_{j≤i} a_j for slots i = 1 … k−1 of this request. Kept on the request until a
+        verified round or a probe changes a profile (recomputed for 16 requests every step, it
+        took 0.23 ms a step); the list returned is that kept one: read it, never change it."""
+        return self.kept_survival(r, block_size)[1]
 
     def expected_drafts(self, r: Request, block_size: int) -> float:
-        """Σ of ``r``'s calibrated survival: the drafts it would be expected to land with every
-        slot verified (kept with it)."""
-        return self.kept_survival(r, block_size)[3]
+        """Σ of ``r``'s survival: the drafts it would be expected to land with every slot
+        verified (kept with it)."""
+        return self.kept_survival(r, block_size)[2]
 
-    def kept_survival(
-        self, r: Request, block_size: int
-    ) -> tuple[int, list[float], list[float], float]:
+    def kept_survival(self, r: Request, block_size: int) -> tuple[int, list[float], float]:
         kept = r.survival
         if kept is None or kept[0] != self.state or len(kept[1]) != block_size - 1:
             seen, ok = profile(r, block_size)
-            raw, s = [], 1.0
+            out, s = [], 1.0
             for i in range(block_size - 1):
-                prior = self.engine_rate(i)
-                a = (ok[i] + PRIOR_WEIGHT * prior) / (seen[i] + PRIOR_WEIGHT)
-                s *= min(max(a, 0.0), 1.0)
-                raw.append(s)
-            calibrated = self.calibrate(raw)
-            kept = r.survival = (self.state, raw, calibrated, sum(calibrated))
+                s *= shrunk_rate(ok[i], seen[i], self.engine_rate(i))
+                out.append(s)
+            kept = r.survival = (self.state, out, sum(out))
         return kept
-
-    def calibrate(self, raw: list[float]) -> list[float]:
-        """``raw`` survival times what the slots planned so far actually returned per unit of
-        planned survival (``calibration``), never rising with i."""
-        if len(self.cal_planned) != len(raw):
-            return raw
-        out, last = [], 1.0
-        for s, kappa in zip(raw, self.calibration(), strict=True):
-            last = min(s * kappa, last)
-            out.append(last)
-        return out
-
-    def calibration(self) -> list[float]:
-        """Per slot: accepted ÷ planned survival over the slots verified lately. Choosing the
-        requests whose recent rounds went best picks those whose estimate is too high (the
-        winner's curse): on code at 16 requests, requests planned at survival 0.94 for their
-        first slot had it accepted 59% of the time, and slots 2–3 returned 0.7× their plan."""
-        return [a / p for a, p in zip(self.cal_accepted, self.cal_planned, strict=True)]
 
     def plan(
         self,
@@ -616,7 +598,6 @@ class CostPolicy(Policy):
         self, spec: list[Request], a_hat: torch.Tensor | None, ctx: PolicyContext
     ) -> torch.Tensor:
         k = ctx.block_size
-        raw = {id(r): self.survival(r, k, calibrated=False) for r in spec}
         surv = {id(r): self.survival(r, k) for r in spec}
         _, widths = self.plan(spec, ctx, ctx.plain_requests, surv)
         chosen = [widths[id(r)] for r in spec]
@@ -629,7 +610,6 @@ class CostPolicy(Policy):
         self.predicted_s = self.draft_s + ctx.cost.target_s(n_tok, n_req, widest)
         self.untimed = ctx.cost.untimed(n_tok, n_req, widest)
         self.expected_tokens = ctx.plain_requests + len(spec) + sum(drafts)
-        self.planned = {id(r): raw[id(r)][: w - 1] for r, w in zip(spec, chosen, strict=True)}
         return torch.tensor(chosen)
 
 
@@ -675,7 +655,7 @@ def freed_value(requests: int, ctx: PolicyContext) -> float:
     in the bd6f3bf study the oracle drafter's ``cost`` at C = 16, nobody queued, took as many
     steps as ``ar``, 396, and ran 0.95×.)"""
     if requests <= 1:  # (one slot: every drafted token is a step sooner for all that wait;
-        return 1.0  # ``drafting_yield`` already scales what its drafts realise)
+        return 1.0  # its drafts count as the profiles expect them)
     if ctx.waiting:  # … as far as such tokens brought the queued work's end closer lately
         return ctx.cost.queue_yield
     # (where both pad up to one compiled batch, one price, timed or not: ``target_s``)

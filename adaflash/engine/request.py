@@ -189,8 +189,8 @@ class Request:
     shadow: tuple[int, list[int]] | None = None
     shadow_seen: int = 0  # its slots already observed (``Policy.observe_shadow``)
     # the cost policy's survival for it, as of one state of that policy's profiles:
-    # (that state's number, raw, calibrated, Σ calibrated); see CostPolicy.survival
-    survival: tuple[int, list[float], list[float], float] | None = None
+    # (that state's number, the survival per slot, its Σ); see CostPolicy.survival
+    survival: tuple[int, list[float], float] | None = None
     draft_ms: float = 0.0  # time of the drafter passes it was in (shared with its batch)
     verify_ms: float = 0.0  # time of the target passes that verified it
     drafter_version: str = ""

@@ -119,7 +119,7 @@ def test_a_requests_profile_estimates_each_slots_acceptance_after_the_one_before
     assert all(abs(a - 0.7) < 0.06 for a in conditional[:4]), conditional
     survival = policy.survival(req(1), k)  # a new request: the engine-wide profile
     assert all(abs(s - 0.7 ** (i + 1)) < 0.15 * 0.7 ** (i + 1) for i, s in enumerate(survival[:4]))
-    mine = policy.survival(r, k)  # its own: its last ~10 rounds, so only roughly
+    mine = policy.survival(r, k)  # its own: its last ~20 rounds, so only roughly
     assert 0.4 < mine[0] < 0.95 and mine[3] < mine[2] < mine[1] < mine[0]
     # what a planned step expects: the bonus token plus each verified slot's survival
     cost = CostModel()
@@ -136,8 +136,7 @@ def test_a_requests_profile_estimates_each_slots_acceptance_after_the_one_before
 def test_survival_is_kept_between_steps_and_follows_every_round_and_probe():
     """A request's survival is computed once per state of the policy's profiles: a plain round
     changes nothing; any verified round or probe — its own or another request's, which moves
-    the engine-wide profile and the calibration — makes every request's survival be computed
-    afresh."""
+    the engine-wide profile — makes every request's survival be computed afresh."""
     k = 6
     policy = CostPolicy(k)
     mine, other = req(0), req(1)
@@ -155,9 +154,6 @@ def test_survival_is_kept_between_steps_and_follows_every_round_and_probe():
     assert moved != first and moved == fresh(other)
     policy.observe_probe(other, 4, 4, k)  # its own probe
     assert policy.survival(other, k) == fresh(other) != moved
-    raw = policy.survival(mine, k, calibrated=False)
-    mine.survival = None
-    assert policy.survival(mine, k, calibrated=False) == raw
 
 
 def test_cost_policy_drafts_only_when_it_pays():
@@ -166,17 +162,17 @@ def test_cost_policy_drafts_only_when_it_pays():
     for n in range(1, 40):  # verifying is nearly free next to a step's base cost
         cost.observe_target(n, 1, 0.040 + 0.0005 * n)
         cost.observe_drafter(1, 0.010)
-    policy = CostPolicy(k)
+    policy, useless = CostPolicy(k), CostPolicy(k)  # a drafter that is good, one that is not
     ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
     good, bad = req(0), req(1)
     g = torch.Generator().manual_seed(0)  # unseeded, a run of 2s now and then failed it
     for _ in range(20):  # good's drafts are accepted 90% per slot, bad's never
         policy.observe(good, k, 7 if torch.rand(1, generator=g) < 0.9**7 else 2, k)
-        policy.observe(bad, k, 0, k)
+        useless.observe(bad, k, 0, k)
     assert policy.drafters([good], ctx) == [good]
     widths = policy.widths([good], None, ctx)
     assert int(widths[0]) >= 4  # cheap tokens, likely accepted: verify many
-    assert policy.drafters([bad], ctx) == []  # a drafter pass that yields nothing
+    assert useless.drafters([bad], ctx) == []  # a drafter pass that yields nothing
     # when drafting is expensive, even the good request takes a plain step
     pricey = CostModel()
     for n in range(1, 40):
@@ -489,8 +485,8 @@ def test_probes_that_ride_along_spend_the_budget_they_add():
     cost = CostModel()
     for _ in range(10):
         cost.observe_target(n, n, 0.200)  # a plain step of 16
-        for extra in (1, 8, 32, 48):  # a mixed pass: 5 ms per verified token
-            cost.observe_target(n + extra, n, 0.200 + 0.005 * extra)
+        for extra in (1, 8, 32, 48):  # a mixed pass: 2 ms per verified token
+            cost.observe_target(n + extra, n, 0.200 + 0.002 * extra)
         for d in (1, 4, 16):
             cost.observe_drafter(d, 0.010 + 0.020 * d)  # 20 ms a request
     policy = CostPolicy(k, probe_every=4)
@@ -500,7 +496,7 @@ def test_probes_that_ride_along_spend_the_budget_they_add():
     for _ in range(20):
         policy.observe(good, k, k - 1, k)  # everything accepted: drafting it pays
     for r in others:
-        for _ in range(5):  # their drafts failed: drafting them does not pay …
+        for _ in range(10):  # their drafts failed: drafting them does not pay …
             policy.observe(r, 4, 0, k)
         r.rounds = 20  # … and it was a while ago: every one is due a probe
     assert policy.drafters([good, *others], ctx) == [good]
@@ -938,47 +934,57 @@ def test_steps_that_went_better_than_planned_never_make_a_drafter_pass_for_nothi
     assert rate == 0.0 and set(widths.values()) == {1}
 
 
-def test_drafting_steps_that_committed_fewer_tokens_than_expected_make_drafting_dearer():
-    """The tokens side of the same check: a narrow predicted gain drafts while drafting steps
-    commit what they were expected to, and not once they have lately committed 3/4 of it."""
-    cost, policy, reqs = drafting_eight(0.040)
-    ctx = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
-    for _ in range(30):
-        cost.observe_drafting_step(0.050, 0.050, 20.0, 20.0)
-    assert cost.drafting_yield == pytest.approx(1.0) and len(policy.drafters(reqs, ctx)) == 8
-    for _ in range(30):
-        cost.observe_drafting_step(0.050, 0.050, 20.0, 15.0)
-    assert 0.75 < cost.drafting_yield < 0.77 and cost.snapshot()["drafting_yield"] < 0.77
-    assert policy.drafters(reqs, ctx) == []
-    cost.observe_drafting_step(0.050, 0.050, 20.0, 200.0)  # one lucky step: clipped to 1.5×
-    assert cost.drafting_yield <= 0.9 * 0.77 + 0.1 * 1.5
-    before = cost.drafting_yield
-    cost.observe_drafting_step(0.050, 0.050, None, 3.0)  # nothing expected: nothing learned
-    assert cost.drafting_yield == before
+def test_a_requests_unlucky_first_rounds_do_not_hold_it_plain_where_drafting_pays(monkeypatch):
+    """Acceptance does not come in streaks (``bench/acceptance_memory.py``): a new request whose
+    first two rounds missed, of a drafter whose slots the engine-wide profile has at 0.7, still
+    drafts where drafting pays at that rate. With its profile over its last ~10 rounds shrunk
+    with one round of the engine-wide one (the constants before 2026-12-07) those two misses
+    priced its first slot at 0.24 and held it plain; fresh plans then never renewed it."""
+    k = 8
+    cost = CostModel()
+    for n in range(1, 20):
+        cost.observe_target(n, 1, 0.020 + 0.002 * n)
+        cost.observe_drafter(1, 0.008)
+    policy = CostPolicy(k, probe_every=10**6)  # no probes: the choice alone
+    g = torch.Generator().manual_seed(0)
+    other = req(0)
+    for _ in range(300):
+        policy.observe(other, k, int((torch.rand(k - 1, generator=g) < 0.7).cumprod(0).sum()), k)
+    unlucky = req(1)
+    policy.observe(unlucky, k, 0, k)
+    policy.observe(unlucky, k, 0, k)
+    ctx = PolicyContext(k, 1.0, cost, budget=512, other_tokens=0)
+    assert 0.5 < policy.survival(unlucky, k)[0] < 0.7
+    assert policy.drafters([unlucky], ctx) == [unlucky]
+    monkeypatch.setattr(policy_module, "DECAY", 0.9)
+    monkeypatch.setattr(policy_module, "PRIOR_WEIGHT", 1.0)
+    fresh = req(2)
+    policy.observe(fresh, k, 0, k)
+    policy.observe(fresh, k, 0, k)
+    assert policy.survival(fresh, k)[0] < 0.3 and policy.drafters([fresh], ctx) == []
 
 
 def test_a_drafting_value_that_stopped_the_drafting_fades_back_over_plain_steps():
-    """Yield and bias are measured on drafting steps alone: one that fell and stopped them
-    would stand for good. Over plain steps both fade back to 1, so drafting is tried again,
-    and steps that keep falling short stop it again."""
+    """The bias is measured on drafting steps alone: one that rose and stopped them would
+    stand for good. Over plain steps it fades back to 1, so drafting is tried again, and steps
+    that keep taking longer than priced stop it again."""
     cost, policy, reqs = drafting_eight(0.030)
     ctx = PolicyContext(16, 1.0, cost, budget=512, other_tokens=0)
     for _ in range(30):
-        cost.observe_drafting_step(0.050, 0.065, 20.0, 15.0)  # slower and fewer than planned
+        cost.observe_drafting_step(0.050, 0.090)  # slower than planned
     assert cost.drafting_value < 0.6 and policy.drafters(reqs, ctx) == []
     plain = 0
     while not policy.drafters(reqs, ctx):
         cost.plain_step()
         plain += 1
         assert plain < 100
-    assert 5 < plain < 60 and cost.drafting_value > 0.75
+    assert 5 < plain < 60 and cost.drafting_value > 0.7
     for _ in range(10):
-        cost.observe_drafting_step(0.050, 0.065, 20.0, 15.0)
+        cost.observe_drafting_step(0.050, 0.090)
     assert policy.drafters(reqs, ctx) == []  # still short: stopped again
     for _ in range(500):
         cost.plain_step()
     assert cost.drafting_bias == pytest.approx(1.0, abs=1e-3)
-    assert cost.drafting_yield == pytest.approx(1.0, abs=1e-3)
 
 
 def test_a_plain_price_is_stale_until_measured_and_again_after_a_while():

@@ -219,12 +219,12 @@ def test_hot_swap_mid_generation_stays_exact(tiny, references):
     ]
     for _ in range(4):
         engine.step()
-    engine.cost.drafting_yield = 0.7  # what the old drafter's plans committed …
+    engine.cost.observe_whole_step(10.0, 3.0)  # what the old drafter's plans gained …
     engine.swap_drafter(random_drafter(target, seed=1), "v1")
     while engine.has_work:
         engine.step()
     assert engine.version == "v1" and engine.stats.swaps == 1
-    assert engine.cost.drafting_yield == 1.0  # … does not hold for the new one
+    assert engine.cost.whole_yield == 1.0  # … does not hold for the new one
     for prompt, rid in zip(PROMPTS, ids, strict=True):
         want = references[tuple(prompt)][len(prompt) : len(prompt) + NEW]
         assert list(results[rid].output_ids) == want
