@@ -12,8 +12,17 @@ With several ``--drafter`` folders (an adapting drafter's versions, say), each i
 one after another, against its own ``ar`` passes: does the default policy's tokens/s rise with
 the drafter's τ?
 
+``--oracle-right Q`` (one or more values) measures the same methods with a drafter of known
+quality instead: each draft slot is the target's own next token (its greedy continuation, from
+an untimed ``ar`` pass) with probability Q, else a wrong one — drawn once per prompt and
+position, so every method meets the same right and wrong slots — at the drafter's own cost (it
+still runs its pass; its drafts are replaced). Where verifying 4 every round pays with it, does
+the default policy take that gain? (A reply that leaves the greedy continuation on a bf16
+near-tie meets wrong drafts from there on: its acceptance is then below Q.)
+
     python bench/verify_widths.py --drafter PATH --out docs/results/adapt/…/verify_widths.json
     python bench/verify_widths.py --drafter V0 V1 … --widths 4 --out …
+    python bench/verify_widths.py --oracle-right 0.3 0.5 0.7 --widths 4 --out …
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +42,8 @@ from adaflash.cli import DEFAULT_DRAFTER, encode_prompt
 from adaflash.config import EngineConfig, Policy, SamplingParams
 from adaflash.engine import policy as policies
 from adaflash.engine.engine import Engine
+from adaflash.engine.request import Request
+from adaflash.engine.round import Propose, draft_tokens
 from adaflash.hardware import cpu_info
 from adaflash.models.decode_graph import batch_sizes, compile_now
 from adaflash.models.drafter import DFlashDrafter, load_drafter
@@ -54,6 +66,36 @@ class FixedWidth(policies.Policy):
         return torch.full((len(spec),), self.width)
 
 
+class RightSometimes(Engine):
+    """Drafts that are the target's greedy continuation of each prompt (``references``) with
+    probability ``right`` per slot, drawn once per prompt and position; the drafter's pass
+    still runs, for its cost (module docstring)."""
+
+    def __init__(self, *args, references: dict, right: float, **kw) -> None:  # (Engine's)
+        super().__init__(*args, **kw)
+        self.references, self.right = references, right
+
+    def _propose(self) -> Propose:
+        def propose(
+            reqs: list[Request], states: torch.Tensor, k_hat: torch.Tensor
+        ) -> tuple[list[list[int]], torch.Tensor]:
+            assert self.drafter is not None
+            width = int(k_hat.max()) - 1
+            draft_tokens(self.target, self.drafter, states, width)  # the drafter's cost
+            return [self.drafts(r, width) for r in reqs], k_hat
+
+        return propose
+
+    def drafts(self, r: Request, width: int) -> list[int]:
+        ref, at = self.references.get(tuple(r.prompt_ids), []), len(r.output_ids)
+        seed = hash(tuple(r.prompt_ids)) % 1_000_003
+        out = []
+        for pos in range(at, min(at + width, len(ref))):
+            right = random.Random(seed * 1_000_003 + pos).random() < self.right
+            out.append(ref[pos] if right else (ref[pos] + 1) % self.target.cfg.vocab_size)
+        return out + [0] * (width - len(out))  # past the reply: never reached
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
@@ -71,6 +113,14 @@ def main() -> None:
         "--eager-drafter",
         action="store_true",
         help="each width also with the drafter's pass eager (what its compiled pass saves)",
+    )
+    ap.add_argument(
+        "--oracle-right",
+        type=float,
+        nargs="+",
+        default=None,
+        help="instead of --drafter's drafts, the target's own tokens right with each of these "
+        "probabilities per slot (module docstring)",
     )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
@@ -90,10 +140,17 @@ def main() -> None:
         encode_prompt(tok, p.prompt, chat=True)
         for p in load_prompts(args.domain, "eval", args.prompts)
     ]
-    measured = [
-        measure(target, tok, drafter, prompts, args) | {"drafter": repo_relative(Path(path))}
-        for path, drafter in zip(args.drafter, drafters, strict=True)
-    ]
+    if args.oracle_right:
+        measured = [
+            measure(target, tok, drafters[0], prompts, args, right)
+            | {"drafter": repo_relative(Path(args.drafter[0])), "oracle_right": right}
+            for right in args.oracle_right
+        ]
+    else:
+        measured = [
+            measure(target, tok, drafter, prompts, args) | {"drafter": repo_relative(Path(path))}
+            for path, drafter in zip(args.drafter, drafters, strict=True)
+        ]
     result = {
         "benchmark": "bench/verify_widths.py",
         "args": {**vars(args), "drafter": [repo_relative(Path(d)) for d in args.drafter]},
@@ -115,20 +172,31 @@ def measure(
     drafter: DFlashDrafter,
     prompts: list[list[int]],
     args: argparse.Namespace,
+    right: float | None = None,
 ) -> dict:
-    """One drafter: ``ar``, every fixed width, ``cost`` cold and warm, taking turns."""
+    """One drafter: ``ar``, every fixed width, ``cost`` cold and warm, taking turns; with
+    ``right``, its drafts those of ``RightSometimes``."""
     c = args.concurrency
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    references: dict[tuple[int, ...], list[int]] = {}
 
     def engine(policy: Policy, width: int | None = None, eager: bool = False) -> Engine:
-        e = Engine(
-            target,
-            None if policy == "ar" else drafter,
-            EngineConfig(
-                policy=policy, max_running_requests=c, max_batch_tokens=16 * c, compile=True
-            ),
-            drafter_version="bench",
-            eos_token_ids=tok.eos_token_ids,
+        cfg = EngineConfig(
+            policy=policy, max_running_requests=c, max_batch_tokens=16 * c, compile=True
+        )
+        d, eos = None if policy == "ar" else drafter, tok.eos_token_ids
+        e = (
+            RightSometimes(
+                target,
+                d,
+                cfg,
+                drafter_version="bench",
+                eos_token_ids=eos,
+                references=references,
+                right=right,
+            )
+            if right is not None and d is not None
+            else Engine(target, d, cfg, drafter_version="bench", eos_token_ids=eos)
         )
         if width is not None:
             e._policy = FixedWidth(width)
@@ -147,6 +215,11 @@ def measure(
             "tau": round((n + e.counters.accepted - accepted) / max(n, 1), 4),
         }
 
+    if right is not None:  # the answer key: the target's greedy continuations (untimed)
+        recs = engine("ar").generate(prompts, params)
+        references.update(
+            {tuple(p): list(r.output_ids) for p, r in zip(prompts, recs, strict=True)}
+        )
     warm = engine("cost")
     timed(warm)  # its first pass: it learns what passes cost and what the drafter finds
     makers: dict[str, Callable[[], Engine]] = {"ar": lambda: engine("ar")}
