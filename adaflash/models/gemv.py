@@ -94,11 +94,13 @@ leaves every projection and the attention on the default path.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,6 +217,23 @@ def eager_rows() -> int:
 _loaded_variant: Variant | None = None  # set at load: read in traced code (no file reads)
 
 
+@contextlib.contextmanager
+def builder(build: Path) -> Iterator[None]:
+    """The build folder to this process alone while it builds or loads the kernel: an OS lock
+    (``flock``), which the OS lets go of when its process dies. Holding it, a ``lock`` file that
+    torch's own build lock left there is stale — a process killed while it held it — and is
+    removed: torch waits on that file for good otherwise (a benchmark killed while it loaded
+    the kernel left one, and every process that loaded the kernel after it hung at start)."""
+    with open(build / "adaflash.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        except OSError:  # a file system without locks: torch's lock alone, as before
+            yield
+            return
+        (build / "lock").unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def _loaded(chosen: Variant) -> bool:
     """Build (once per machine: then the cached library loads in ~0.1 s) and load the kernel;
@@ -235,14 +254,15 @@ def _loaded(chosen: Variant) -> bool:
     build = cache_dir() / "ext" / f"gemv_bf16-{tag}"
     build.mkdir(parents=True, exist_ok=True)
     try:
-        load(
-            name=f"adaflash_gemv_bf16_{chosen.name}",
-            sources=[*map(str, chosen.sources), str(ATTENTION)],
-            extra_cflags=list(chosen.cflags),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            is_python_module=False,
-        )
+        with builder(build):
+            load(
+                name=f"adaflash_gemv_bf16_{chosen.name}",
+                sources=[*map(str, chosen.sources), str(ATTENTION)],
+                extra_cflags=list(chosen.cflags),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                is_python_module=False,
+            )
     except Exception as exc:  # no compiler, no ninja, an old assembler: the default path serves
         log.warning(
             "the %s GEMV kernel did not build (%s); projections stay as they were", chosen.name, exc
