@@ -108,7 +108,7 @@ from adaflash.engine import policy as policies
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import RequestRecord
 from adaflash.engine.request import Request
-from adaflash.engine.round import Propose, draft_tokens
+from adaflash.engine.round import Propose, draft_tokens, stand_in
 from adaflash.hardware import cpu_info
 from adaflash.metrics import speedup
 from adaflash.models.decode_graph import batch_sizes, compile_now, compiled_route
@@ -214,19 +214,11 @@ class OracleDrafterEngine(ReferenceEngine):
     between steps), as a drafter that is nearly always right would."""
 
     def _propose(self) -> Propose:
-        def propose(
-            reqs: list[Request], states: torch.Tensor, k_hat: torch.Tensor
-        ) -> tuple[list[list[int]], torch.Tensor]:
-            assert self.drafter is not None
-            width = int(k_hat.max()) - 1
-            draft_tokens(self.target, self.drafter, states, width)  # the drafter's cost
-            drafts = []
-            for r in reqs:
-                row = self.continuation(r)[:width]
-                drafts.append(row + [0] * (width - len(row)))  # past its end: rejected
-            return drafts, k_hat
+        return stand_in(self, self.drafts)
 
-        return propose
+    def drafts(self, r: Request, width: int) -> list[int]:
+        row = self.continuation(r)[:width]
+        return row + [0] * (width - len(row))  # past its end: rejected
 
 
 @dataclass

@@ -43,7 +43,7 @@ from adaflash.config import EngineConfig, Policy, SamplingParams
 from adaflash.engine import policy as policies
 from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
-from adaflash.engine.round import Propose, draft_tokens
+from adaflash.engine.round import Propose, stand_in
 from adaflash.hardware import cpu_info
 from adaflash.models.decode_graph import batch_sizes, compile_now
 from adaflash.models.drafter import DFlashDrafter, load_drafter
@@ -76,15 +76,7 @@ class RightSometimes(Engine):
         self.references, self.right = references, right
 
     def _propose(self) -> Propose:
-        def propose(
-            reqs: list[Request], states: torch.Tensor, k_hat: torch.Tensor
-        ) -> tuple[list[list[int]], torch.Tensor]:
-            assert self.drafter is not None
-            width = int(k_hat.max()) - 1
-            draft_tokens(self.target, self.drafter, states, width)  # the drafter's cost
-            return [self.drafts(r, width) for r in reqs], k_hat
-
-        return propose
+        return stand_in(self, self.drafts)
 
     def drafts(self, r: Request, width: int) -> list[int]:
         ref, at = self.references.get(tuple(r.prompt_ids), []), len(r.output_ids)

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -265,6 +266,31 @@ def draft_tokens(
     # copies the whole LM-head weight); only the draft vocabulary's rows are scored
     rows = states[:, 1 : 1 + width].reshape(b * width, h).contiguous()  # (B·width, H)
     return drafter.argmax_drafts(rows, target.lm_head.weight).view(b, width).tolist()
+
+
+class HasDrafter(Protocol):
+    @property
+    def target(self) -> TargetModel: ...
+
+    @property
+    def drafter(self) -> DFlashDrafter | None: ...
+
+
+def stand_in(owner: HasDrafter, drafts: Callable[[Request, int], list[int]]) -> Propose:
+    """A ``Propose`` whose drafts are ``drafts(request, width)`` — a benchmark's oracle or a
+    drafter of known quality — while ``owner``'s drafter still scores its draft vocabulary
+    over the states (output discarded), so a step costs what it would with a drafter that
+    drafted them; k̂ as the policy chose."""
+
+    def propose(
+        reqs: list[Request], states: torch.Tensor, k_hat: torch.Tensor
+    ) -> tuple[list[list[int]], torch.Tensor]:
+        assert owner.drafter is not None
+        width = int(k_hat.max()) - 1
+        draft_tokens(owner.target, owner.drafter, states, width)  # the drafter's cost
+        return [drafts(r, width) for r in reqs], k_hat
+
+    return propose
 
 
 def drafter_context(d: Drafting, r: Request) -> list[KV]:
