@@ -3,10 +3,14 @@
 One drafter, one domain's eval prompts, at ``--concurrency``: plain decoding (``ar``), every
 request verifying a fixed number of tokens (``w2`` … ``w16``: the anchor and w − 1 drafts), and
 the default ``cost`` policy twice — ``cost``, a fresh engine each pass (what a short eval sees),
-and ``cost-warm``, one engine serving pass after pass (what ``serve`` sees; its first pass is
-not timed). Every engine runs the compiled steps ``serve`` runs, built before anything is
-timed. The methods take turns within each repeat, so whatever else slows the machine slows
-them alike; speedups are over ``ar``'s median.
+and ``cost-warm``, whose cost model and acceptance profile carry over from pass to pass (what
+``serve`` sees; a first pass to learn them is not timed). Every engine runs the compiled steps
+``serve`` runs, built before anything is timed. Within each repeat the methods serve the same
+prompts side by side, one step each in turn, each timed on its own steps
+(``compare.run_lockstep``): a slow spell of a shared machine lands on all of them alike, step
+by step. (Until 2026-12-07 each method's pass ran on its own, one after another; on the noisy
+AMX Xeon of session 53 ``ar`` swung 34.7–48.8 tok/s between such passes.) ``speedup_over_ar`` is
+the median over repeats of a pass's tokens/s ÷ the same repeat's ``ar`` pass.
 
 With several ``--drafter`` folders (an adapting drafter's versions, say), each is measured so,
 one after another, against its own ``ar`` passes: does the default policy's tokens/s rise with
@@ -32,11 +36,17 @@ import functools
 import json
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for compare
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo
+
+from compare import run_lockstep  # bench/ is a folder of scripts, not a package
 
 from adaflash.cli import DEFAULT_DRAFTER, encode_prompt
 from adaflash.config import EngineConfig, Policy, SamplingParams
@@ -166,8 +176,8 @@ def measure(
     args: argparse.Namespace,
     right: float | None = None,
 ) -> dict:
-    """One drafter: ``ar``, every fixed width, ``cost`` cold and warm, taking turns; with
-    ``right``, its drafts those of ``RightSometimes``."""
+    """One drafter: ``ar``, every fixed width, ``cost`` cold and warm, side by side in each
+    repeat (module docstring); with ``right``, its drafts those of ``RightSometimes``."""
     c = args.concurrency
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     references: dict[tuple[int, ...], list[int]] = {}
@@ -196,50 +206,49 @@ def measure(
             e.drafting.graph = None
         return e
 
-    def timed(e: Engine) -> dict:
-        tokens, rounds, accepted = e.stats.output_tokens, e.counters.rounds, e.counters.accepted
-        t0 = time.perf_counter()
-        e.generate(prompts, params)
-        wall = time.perf_counter() - t0
-        n = e.counters.rounds - rounds
-        return {
-            "tokens_per_s": round((e.stats.output_tokens - tokens) / wall, 2),
-            "tau": round((n + e.counters.accepted - accepted) / max(n, 1), 4),
-        }
-
     if right is not None:  # the answer key: the target's greedy continuations (untimed)
         recs = engine("ar").generate(prompts, params)
         references.update(
             {tuple(p): list(r.output_ids) for p, r in zip(prompts, recs, strict=True)}
         )
-    warm = engine("cost")
-    timed(warm)  # its first pass: it learns what passes cost and what the drafter finds
+    learnt = engine("cost")
+    learnt.generate(prompts, params)  # untimed: what passes cost and what the drafter finds
+
+    def warm() -> Engine:
+        e = engine("cost")
+        e.cost, e._policy = learnt.cost, learnt._policy  # carried over, pass to pass
+        return e
+
     makers: dict[str, Callable[[], Engine]] = {"ar": lambda: engine("ar")}
     for w in args.widths:
         makers[f"w{w}"] = functools.partial(engine, "fixed", w)
         if args.eager_drafter:
             makers[f"w{w}-eager-drafter"] = functools.partial(engine, "fixed", w, True)
     makers["cost"] = lambda: engine("cost")
-    runs: dict[str, list[dict]] = {name: [] for name in [*makers, "cost-warm"]}
+    makers["cost-warm"] = warm
+    runs: dict[str, list[dict]] = {name: [] for name in makers}
     for _ in range(args.repeats):
-        for name, make in makers.items():
-            runs[name].append(timed(make()))
-        runs["cost-warm"].append(timed(warm))
+        engines = {(None, name): make() for name, make in makers.items()}
+        for (_, name), run in run_lockstep(engines, prompts, params).items():
+            runs[name].append(
+                {"tokens_per_s": round(run["tokens_per_s"], 2), "tau": round(run["accept_len"], 4)}
+            )
         print(json.dumps({k: v[-1] for k, v in runs.items()}), flush=True)
-    ar = statistics.median(r["tokens_per_s"] for r in runs["ar"])
+    ar = [r["tokens_per_s"] for r in runs["ar"]]
     summary = {
         name: {
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
-            "speedup_over_ar": round(statistics.median(r["tokens_per_s"] for r in rs) / ar, 3),
-            "tau": rs[-1]["tau"],
+            "speedup_over_ar": round(
+                statistics.median(r["tokens_per_s"] / a for r, a in zip(rs, ar, strict=True)), 3
+            ),
+            "tau": round(statistics.mean(r["tau"] for r in rs), 4),
         }
         for name, rs in runs.items()
     }
     return {
         "runs": runs,
         "summary": summary,
-        "cost_warm_model_ms": {k: round(v, 3) for k, v in warm.cost.snapshot().items()},
-        "cost_warm_probes": warm.stats.probes,
+        "cost_warm_model_ms": {k: round(v, 3) for k, v in learnt.cost.snapshot().items()},
     }
 
 
