@@ -12,10 +12,11 @@ Table 2). For each arm (OPD = AdaFlash's loss, OSD = forward-KL baseline) and ea
 4. the engine hot-swaps each promoted version (``VersionWatcher``) between steps;
 5. after every round, the serving drafter is measured on held-out eval prompts: τ with the
    ``fixed`` policy on math, chat and code (drafter quality; chat and code show forgetting), and
-   on math tokens/s with the default ``cost`` policy over plain decoding's, measured right
-   after it, at ``--concurrency`` and at one request, and τ / tokens/s with the ``head`` policy
-   twice — the version's own (refitted) length head, and the head frozen at ``v0000``'s offline
-   fit on the same drafter (the paper's Table 2 point).
+   on math tokens/s with the default ``cost`` policy over plain decoding's, the two serving
+   side by side a step each in turn (``compare.run_lockstep``; until 2026-12-07 one right
+   after the other), at ``--concurrency`` and at one request, and τ / tokens/s with the
+   ``head`` policy twice — the version's own (refitted) length head, and the head frozen at
+   ``v0000``'s offline fit on the same drafter (the paper's Table 2 point).
 
 Every engine runs the compiled decode and verify steps ``serve`` runs (built before anything is
 timed; ``--no-compile``: eager). Serving and training are serialized here (serve a chunk, then
@@ -46,6 +47,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for compare
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo
+
+from compare import run_lockstep  # bench/ is a folder of scripts, not a package
+
 from adaflash.cli import DEFAULT_DRAFTER, encode_prompt
 from adaflash.config import EngineConfig, SamplingParams
 from adaflash.engine.engine import Engine
@@ -70,18 +76,17 @@ from lightning_modules.online import OnlineConfig
 EVAL_DOMAINS = ("math", "chat", "code")
 
 
-def run_policy(
+def policy_engine(
     target: TargetModel,
     drafter: DFlashDrafter | None,
     version: str,
     policy: str,
-    prompts: list[list[int]],
     tok: Tokenizer,
     args: argparse.Namespace,
     concurrency: int,
-) -> dict:
-    """One eval pass at ``concurrency``: τ overall and per prompt, verify length, tokens/s."""
-    engine = Engine(
+) -> Engine:
+    """An engine for one eval pass (``ar`` where there is no drafter)."""
+    return Engine(
         target,
         drafter,
         EngineConfig(
@@ -93,30 +98,77 @@ def run_policy(
         drafter_version=version,
         eos_token_ids=tok.eos_token_ids,
     )
+
+
+def run_policy(
+    target: TargetModel,
+    drafter: DFlashDrafter | None,
+    version: str,
+    policy: str,
+    prompts: list[list[int]],
+    tok: Tokenizer,
+    args: argparse.Namespace,
+    concurrency: int,
+) -> dict:
+    """One eval pass at ``concurrency``: τ overall and per prompt, verify length, tokens/s."""
+    engine = policy_engine(target, drafter, version, policy, tok, args, concurrency)
     t0 = time.perf_counter()
     records = engine.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
     wall = time.perf_counter() - t0
     c, st = engine.counters, engine.stats
-    out = {
+    return {
         "accept_len": round(c.accept_len, 4),
         "verify_len": round(c.verify_len, 4),
         "tokens_per_s": round(st.output_tokens / wall, 2),
         # τ of each prompt: the unit the bootstrap resamples
         "per_prompt": [round((r.accepted + r.rounds) / max(r.rounds, 1), 4) for r in records],
+    } | (cost_figures(engine) if policy == "cost" else {})
+
+
+def cost_against_ar(
+    target: TargetModel,
+    drafter: DFlashDrafter,
+    version: str,
+    prompts: list[list[int]],
+    tok: Tokenizer,
+    args: argparse.Namespace,
+    concurrency: int,
+) -> tuple[dict, dict]:
+    """The default policy's pass and plain decoding's on the same prompts, side by side a step
+    each in turn, each timed on its own steps (``compare.run_lockstep``): a slow spell of the
+    machine lands on both alike. (Until 2026-12-07 one ran right after the other.)"""
+    engines = {
+        (version, "cost"): policy_engine(target, drafter, version, "cost", tok, args, concurrency),
+        (None, "ar"): policy_engine(target, None, version, "ar", tok, args, concurrency),
     }
-    if policy == "cost":  # what it decided from: its probes' whole-block τ and its prices
-        probed = SpecCounters.from_totals(
-            engine.block_size, st.probes, st.probe_slots, st.probe_accepted
-        )  # each probe the round it stands for (``adaflash.metrics.probe_buckets``)
-        out["probes"] = st.probes
-        out["probed_tau"] = round(probed.accept_len, 4) if st.probes else None
-        prices = engine.cost.snapshot()
-        out["cost_model_ms"] = {
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    runs = {
+        key: {
+            "accept_len": round(run["accept_len"], 4),
+            "verify_len": round(run["verify_len"], 4),
+            "tokens_per_s": round(run["tokens_per_s"], 2),
+        }
+        for key, run in run_lockstep(engines, prompts, params).items()
+    }
+    return runs[version, "cost"] | cost_figures(engines[version, "cost"]), runs[None, "ar"]
+
+
+def cost_figures(engine: Engine) -> dict:
+    """What a ``cost`` engine decided from: its probes' whole-block τ and its prices."""
+    st = engine.stats
+    probed = SpecCounters.from_totals(
+        engine.block_size, st.probes, st.probe_slots, st.probe_accepted
+    )  # each probe the round it stands for (``adaflash.metrics.probe_buckets``)
+    prices = engine.cost.snapshot()
+    return {
+        "probes": st.probes,
+        "probed_tau": round(probed.accept_len, 4) if st.probes else None,
+        "cost_model_ms": {
             k: round(v, 3)
             for k, v in prices.items()
             if k.startswith(("drafter_", "target_1req_", "target_plain_"))
-        }
-    return out
+        },
+    }
 
 
 def measure(
@@ -129,7 +181,7 @@ def measure(
     args: argparse.Namespace,
 ) -> dict:
     """A version on the eval prompts: fixed-policy τ per domain; on math also the default
-    policy's tokens/s beside plain decoding's, measured right after it (at ``--concurrency``
+    policy's tokens/s beside plain decoding's, side by side (at ``--concurrency``
     and at 1: on a CPU a verify pass costs more the more tokens are in it, so speculation pays
     first at low concurrency), and the head policy with the version's head and with ``frozen``
     (v0000's, as fitted offline)."""
@@ -141,8 +193,8 @@ def measure(
     }
     math = prompts["math"]
     for n, tag in ((c, ""), (1, "@1")):
-        out[f"math/cost{tag}"] = run_policy(target, drafter, version, "cost", math, tok, args, n)
-        out[f"math/ar{tag}"] = run_policy(target, None, version, "ar", math, tok, args, n)
+        cost, ar = cost_against_ar(target, drafter, version, math, tok, args, n)
+        out[f"math/cost{tag}"], out[f"math/ar{tag}"] = cost, ar
     out["math/head"] = run_policy(target, drafter, version, "head", math, tok, args, c)
     drafter.length_head = frozen  # the same drafter, the head as fitted offline
     out["math/head-frozen"] = run_policy(target, drafter, version, "head", math, tok, args, c)
@@ -266,7 +318,7 @@ def brief(row: dict) -> str:
 
 
 def cost_over_ar(row: dict, tag: str = "") -> float:
-    """The default policy's speedup over plain decoding measured right after it (``tag`` "" at
+    """The default policy's speedup over plain decoding measured beside it (``tag`` "" at
     ``--concurrency``, "@1" at one request)."""
     return speedup(row[f"math/cost{tag}"]["tokens_per_s"], row[f"math/ar{tag}"]["tokens_per_s"])
 

@@ -123,6 +123,11 @@ def test_an_eval_pass_of_the_cost_policy_reports_its_probes_and_prices(adapt, tm
     assert cost["probed_tau"] is None or cost["probed_tau"] >= 1.0
     plain = adapt.run_policy(target, None, "v0", "ar", prompts, tok, args, 1)
     assert plain["accept_len"] == 1.0 and "probes" not in plain
+    # side by side (each timed on its own steps): the same figures, plain decoding's apart
+    cost, plain = adapt.cost_against_ar(target, drafter, "v0", prompts, tok, args, 2)
+    assert cost["tokens_per_s"] > 0 and plain["tokens_per_s"] > 0
+    assert "drafter_base_ms" in cost["cost_model_ms"] and cost["accept_len"] >= 1.0
+    assert plain["accept_len"] == 1.0 and "probes" not in plain
 
 
 def test_the_relative_change_is_over_the_same_per_prompt_mean_it_resamples(adapt):
