@@ -3,6 +3,7 @@ trajectory files that ``adaflash regenerate`` writes from them."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -89,9 +90,12 @@ def follow_up(trajectory_id: str) -> str:
 
 
 def read_trajectories(paths: list[Path] | Path) -> list[Trajectory]:
+    """Trajectories of JSONL files (gzipped where a name ends in ``.gz``)."""
     out = []
     for path in [paths] if isinstance(paths, Path) else paths:
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
+        raw = Path(path).read_bytes()
+        text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode("utf-8")
+        for line in text.splitlines():
             if line.strip():
                 out.append(Trajectory(**json.loads(line)))
     return out

@@ -54,6 +54,8 @@ ONLINE_FLAGS = {
     "max_samples": "max_samples",
     "gate_margin": "gate_margin",
     "replay": "replay",
+    "retain": "retain",
+    "retain_from": "retain_from",
 }
 
 
@@ -130,6 +132,20 @@ def add_online_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="trajectories of earlier rounds each round trains on again with the new ones",
+    )
+    p.add_argument(
+        "--retain",
+        type=int,
+        default=None,
+        help="trajectories of --retain-from each round also trains on (0: none), so traffic "
+        "that moved to one domain does not pull the drafter from the others",
+    )
+    p.add_argument(
+        "--retain-from",
+        nargs="+",
+        default=None,
+        help="trajectory files (JSONL or .jsonl.gz) for --retain "
+        "(default: the shipped drafter's chat and code trajectories)",
     )
     add_distill_args(p)
 

@@ -240,6 +240,7 @@ def run_arm(
     trainer_cmd += ["--min-new", str(args.chunk), "--loss", loss, "--epochs", str(args.epochs)]
     trainer_cmd += ["--anchors", str(args.anchors), "--seed", str(repeat), "--threads", "1"]
     trainer_cmd += ["--poll-s", "3", "--nice", "0", "--replay", str(args.replay)]
+    trainer_cmd += ["--retain", str(args.retain)]
     trainer = subprocess.Popen(
         trainer_cmd,
         stdout=log_file,
@@ -440,7 +441,7 @@ def plot(result: dict, path: Path) -> None:
 
 RUN_ARGS = (  # what makes arms comparable
     *("drafter", "target", "versions", "chunk", "epochs", "anchors", "eval_prompts"),
-    *("concurrency", "max_new_tokens", "dtype", "replay", "compile"),
+    *("concurrency", "max_new_tokens", "dtype", "replay", "retain", "compile"),
 )
 
 
@@ -472,6 +473,12 @@ def main() -> None:
         type=int,
         default=OnlineConfig().replay,
         help="the trainer's replay window (trajectories of earlier rounds trained on again)",
+    )
+    ap.add_argument(
+        "--retain",
+        type=int,
+        default=OnlineConfig().retain,
+        help="the trainer's chat and code trajectories a round (the shipped drafter's domains)",
     )
     ap.add_argument("--anchors", type=int, default=64, help="the trainer's anchors a sequence")
     ap.add_argument("--eval-prompts", type=int, default=8)

@@ -3,7 +3,10 @@
 1. take the oldest unconsumed trajectories (at most ``max_samples``); hold out the most recent
    ``holdout_fraction`` for the gate (they stay unconsumed and feed a later round);
 2. train the active version's drafter + head on the rest plus the replay window, the ``replay``
-   latest trajectories earlier rounds trained on (``lightning_modules.train.fit``);
+   latest trajectories earlier rounds trained on, plus ``retain`` trajectories drawn afresh each
+   round from ``retain_from`` (the domains the drafter served before; by default the shipped
+   drafter's chat and code trajectories), so that traffic that moved to one domain does not
+   pull the drafter from the others (``lightning_modules.train.fit``);
 3. publish the result as an immutable candidate version (atomic);
 4. gate: replay candidate and active drafters against the held-out trajectories' recorded target
    tokens (simulated acceptance, no generation, the same anchors for both); promote when the
@@ -16,9 +19,11 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
@@ -26,7 +31,8 @@ from sqlalchemy import Engine
 from adaflash.config import DistillConfig
 from adaflash.distill import simulate_acceptance
 from adaflash.models.target import TargetModel
-from adaflash.workloads import Trajectory
+from adaflash.paths import REPO
+from adaflash.workloads import Trajectory, read_trajectories
 from db.buffer import mark_consumed, recently_consumed, unconsumed
 from db.models import TrajectoryRow
 from db.registry import Registry
@@ -34,6 +40,12 @@ from db.runs import finish_run
 from lightning_modules.train import fit
 
 log = logging.getLogger(__name__)
+
+
+# what the shipped drafter was trained on: the target's greedy answers to chat and code prompts
+SHIPPED_DOMAINS = tuple(
+    str(REPO / "assets" / "trajectories" / f"{d}_greedy.jsonl.gz") for d in ("chat", "code")
+)
 
 
 @dataclass(frozen=True)
@@ -44,14 +56,19 @@ class OnlineConfig:
     holdout_fraction: float = 0.125
     gate_margin: float = 0.0  # τ points the candidate must gain over the active version (≥)
     replay: int = 0  # trajectories of earlier rounds trained on again with the new ones
+    retain: int = 0  # trajectories of ``retain_from`` trained on with each round's new ones
+    retain_from: tuple[str, ...] = SHIPPED_DOMAINS  # trajectory files (JSONL, or .jsonl.gz)
     gate_anchors: int = 32
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         if self.min_new < 1 or self.min_samples < 2:
             raise ValueError("min_new must be ≥ 1 and min_samples ≥ 2")
-        if self.replay < 0:
-            raise ValueError("replay must be ≥ 0")
+        if self.replay < 0 or self.retain < 0:
+            raise ValueError("replay and retain must be ≥ 0")
+        object.__setattr__(self, "retain_from", tuple(self.retain_from))  # a list, from JSON
+        if self.retain and not self.retain_from:
+            raise ValueError("retain needs trajectory files to draw from (retain_from)")
         if not 0.0 < self.holdout_fraction < 1.0:
             raise ValueError("holdout_fraction must be in (0, 1)")
 
@@ -85,6 +102,15 @@ def as_trajectory(row: TrajectoryRow) -> Trajectory:
         row.response_text or "",
         row.finish_reason,
     )
+
+
+def retained(cfg: OnlineConfig, run_id: int) -> list[Trajectory]:
+    """``cfg.retain`` trajectories of ``cfg.retain_from``, a fresh draw each round (seeded by
+    the run): they keep the drafter fitted to the domains its traffic moved away from."""
+    if not cfg.retain:
+        return []
+    pool = read_trajectories([Path(p) for p in cfg.retain_from])
+    return random.Random(run_id).sample(pool, min(cfg.retain, len(pool)))
 
 
 def training_round(
@@ -133,8 +159,9 @@ def _round(
     if parent is None:
         raise RuntimeError("no active drafter version to train from")
     replayed = recently_consumed(db, cfg.replay)  # consumed rows: never the held-out ones
+    kept = retained(cfg, run_id)
     drafter = registry.load(parent.id, "float32")
-    data = [as_trajectory(r) for r in replayed + train_rows]
+    data = kept + [as_trajectory(r) for r in replayed + train_rows]
     result = fit(drafter, target, data, None, cfg.distill, progress=False)
     summary = result.summary()
     candidate = registry.publish(
@@ -143,7 +170,12 @@ def _round(
         loss=cfg.distill.loss,
         samples=len(data),
         data=(train_rows[0].seq, train_rows[-1].seq),
-        metrics={"train": summary, "settings": asdict(cfg.distill), "replayed": len(replayed)},
+        metrics={
+            "train": summary,
+            "settings": asdict(cfg.distill),
+            "replayed": len(replayed),
+            "retained": len(kept),
+        },
     )
 
     # gate: simulated acceptance of candidate vs active on held-out recent trajectories
@@ -171,6 +203,7 @@ def _round(
     metrics = {
         "samples": consumed,
         "replayed": len(replayed),
+        "retained": len(kept),
         "steps": result.steps,
         "gate": gate,
         "history": [{k: round(v, 4) for k, v in h.items()} for h in result.history],

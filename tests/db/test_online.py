@@ -110,6 +110,44 @@ def test_a_round_trains_on_the_replay_window_too_and_consumes_only_its_new_rows(
         OnlineConfig(replay=-1)
 
 
+def test_a_round_also_trains_on_trajectories_of_the_domains_to_retain(
+    db, online, tiny, tmp_path, monkeypatch
+):
+    """``retain``: each round trains on that many trajectories of ``retain_from`` (gzipped JSONL
+    read too) beside its new rows, a seeded draw per run; they count as samples, not consumed."""
+    import gzip
+
+    from adaflash.workloads import Trajectory
+
+    registry, target = online
+    old = [
+        Trajectory(f"old-{i}", "chat", list(r.prompt_ids), list(r.output_ids), "", "length")
+        for i, r in enumerate(tiny[2])
+    ]
+    path = tmp_path / "old.jsonl.gz"
+    path.write_bytes(gzip.compress("\n".join(t.to_json() for t in old).encode()))
+    trained: list[list[str]] = []
+    fit = lightning_modules.online.fit
+
+    def spy(drafter, target, data, *a, **k):
+        trained.append([t.id for t in data])
+        return fit(drafter, target, data, *a, **k)
+
+    monkeypatch.setattr("lightning_modules.online.fit", spy)
+    cfg = replace(FAST, retain=4, retain_from=(str(path),))
+    out = training_round(db, registry, target, cfg, claim_run(db, "admin"))
+    kept = [i for i in trained[0] if i.startswith("old-")]
+    assert len(kept) == 4 and len(set(kept)) == 4 and len(trained[0]) == 4 + 9
+    assert out.metrics["retained"] == 4 and registry.get(out.version_id).samples == 13
+    assert count_unconsumed(db) == 3  # the new rows consumed as without it, held-out kept
+    assert lightning_modules.online.retained(cfg, 7) == lightning_modules.online.retained(cfg, 7)
+    assert lightning_modules.online.retained(replace(cfg, retain=0), 7) == []
+    with pytest.raises(ValueError, match="retain"):
+        OnlineConfig(retain=2, retain_from=())
+    with pytest.raises(ValueError, match="retain"):
+        OnlineConfig(retain=-1)
+
+
 def test_gate_rejects_a_worse_candidate(db, online):
     registry, target = online
     strict = OnlineConfig(
