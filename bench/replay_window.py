@@ -1,14 +1,17 @@
-"""Does the online trainer's replay window help a drafter learn a new domain? Offline, with the
-real training round.
+"""Does the online trainer's replay window help a drafter learn a new domain, and does training
+on the old domains too (``retain``) keep it from forgetting them? Offline, with the real
+training round.
 
-For each ``--replay`` value (an arm), starting from the shipped drafter (chat + code only):
+For each arm — a ``--replay`` window and a ``--retain`` count, paired in order (one value of
+either applies to every arm) — starting from the shipped drafter (chat + code only):
 
 1. a fresh SQLite buffer and weights folder, the shipped drafter registered as ``v0000``;
 2. per round, ``--chunk`` new math trajectories (the target's own greedy answers to math train
    prompts, generated once and cached under ``adaflash.pull.cache_dir()``) are written to the
-   buffer and one real ``training_round`` runs on them (``OnlineConfig(replay=…)``, everything
-   else the trainer's defaults): it trains on the new rows plus the replay window, gates
-   and promotes or rejects;
+   buffer and one real ``training_round`` runs on them (``OnlineConfig(replay=…, retain=…)``,
+   ``--epochs`` passes a round, everything else the trainer's defaults): it trains on the new
+   rows plus the replay window plus ``retain`` of the shipped drafter's chat and code train
+   trajectories (never the held-out ones), gates and promotes or rejects;
 3. after every round the active version's simulated τ (the whole block verified against the
    recorded target tokens, as the gate measures) on held-out math, chat and code trajectories,
    per sequence, so that the arms' difference at each round carries a 95% bootstrap interval
@@ -17,6 +20,7 @@ For each ``--replay`` value (an arm), starting from the shipped drafter (chat + 
 Serving is left out on purpose: the question is what the trainer learns from the same data.
 
     python bench/replay_window.py --out docs/results/adapt/replay --replay 0 192
+    python bench/replay_window.py --out … --replay 0 --retain 0 48 96 --epochs 4
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pathlib import Path
 import torch
 
 from adaflash.cli import DEFAULT_DRAFTER, encode_prompt
-from adaflash.config import EngineConfig, SamplingParams
+from adaflash.config import DistillConfig, EngineConfig, SamplingParams
 from adaflash.distill import replay
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import MemorySink, RequestRecord
@@ -134,14 +138,20 @@ def bootstrap_diff(a: list[list[int]], b: list[list[int]], draws: int = 2000) ->
     return [round(tau(a) - tau(b), 4), round(diffs[draws // 40], 4), round(diffs[-draws // 40], 4)]
 
 
-def run_arm(window: int, target, records, seqs, args: argparse.Namespace) -> dict:
+def run_arm(window: int, retain: int, target, records, seqs, args: argparse.Namespace) -> dict:
     """One arm; ``seqs``: the held-out sequences per domain, taught once for every arm."""
-    work = Path(tempfile.mkdtemp(prefix=f"replay-{window}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"replay-{window}-{retain}-"))
     db = make_engine(f"sqlite:///{work / 'buffer.db'}")
     migrate(db)
     registry = Registry(db, work / "weights")
     registry.register_folder(Path(args.drafter), "v0000", note="shipped chat + code drafter")
-    cfg = OnlineConfig(min_new=args.chunk, max_samples=args.chunk, replay=window)
+    cfg = OnlineConfig(
+        min_new=args.chunk,
+        max_samples=args.chunk,
+        replay=window,
+        retain=retain,
+        distill=DistillConfig(epochs=args.epochs),
+    )
 
     def measure() -> dict:
         drafter = registry.load(registry.active().id)
@@ -160,13 +170,23 @@ def run_arm(window: int, target, records, seqs, args: argparse.Namespace) -> dic
             "reason": out.reason,
             "gate": out.metrics.get("gate"),
             "replayed": out.metrics.get("replayed"),
+            "retained": out.metrics.get("retained"),
             "train_seconds": round(time.perf_counter() - t0, 1),
             "version": registry.active().id,
             "counts": measure(),
         }
         rounds.append(row)
-        print(f"replay {window} round {i + 1}: {brief(row)}", flush=True)
-    return {"replay": window, "rounds": rounds}
+        print(f"{arm_name(window, retain)} round {i + 1}: {brief(row)}", flush=True)
+    return {"replay": window, "retain": retain, "rounds": rounds}
+
+
+def arm_name(window: int, retain: int) -> str:
+    """``replay_W``, and ``_retain_K`` where the arm retains (the names of runs before it kept)."""
+    return f"replay_{window}" + (f"_retain_{retain}" if retain else "")
+
+
+def arm_of(arm: dict) -> str:
+    return arm_name(arm["replay"], arm.get("retain", 0))
 
 
 def brief(row: dict) -> str:
@@ -186,9 +206,9 @@ def summarize(arms: list[dict]) -> dict:
                 row[f"{d}_tau"] = round(tau(counts), 4)
                 if arm is not base:
                     diff = bootstrap_diff(counts, b["counts"][d])
-                    row[f"{d}_minus_replay_{base['replay']}"] = diff
+                    row[f"{d}_minus_{arm_of(base)}"] = diff
             rows.append(row)
-        out[f"replay_{arm['replay']}"] = rows
+        out[arm_of(arm)] = rows
     return out
 
 
@@ -197,6 +217,10 @@ def main() -> None:
     ap.add_argument("--drafter", default=str(REPO / "assets" / "drafters" / DEFAULT_DRAFTER))
     ap.add_argument("--target", default=None)
     ap.add_argument("--replay", type=int, nargs="+", default=[0, 192], help="the arms' windows")
+    ap.add_argument(
+        "--retain", type=int, nargs="+", default=[0], help="the arms' old-domain trajectories"
+    )
+    ap.add_argument("--epochs", type=int, default=DistillConfig().epochs, help="passes a round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=96, help="new math trajectories per round")
     ap.add_argument("--eval-prompts", type=int, default=48, help="held-out prompts per domain")
@@ -221,7 +245,13 @@ def main() -> None:
     print(f"{len(records)} math train trajectories, held out {', '.join(held)}", flush=True)
     layers = load_drafter(Path(args.drafter)).cfg.target_layer_ids
     seqs = {d: cached(target, layers, rs) for d, rs in held.items()}
-    arms = [run_arm(w, target, records, seqs, args) for w in args.replay]
+    n = max(len(args.replay), len(args.retain))
+    if {len(args.replay), len(args.retain)} - {1, n}:
+        raise SystemExit("--replay and --retain pair up: give each one value or the same count")
+    pairs = zip(
+        args.replay * (n // len(args.replay)), args.retain * (n // len(args.retain)), strict=True
+    )
+    arms = [run_arm(w, k, target, records, seqs, args) for w, k in pairs]
     result = {
         "benchmark": "bench/replay_window.py",
         "args": {**vars(args), "drafter": repo_relative(args.drafter)},
