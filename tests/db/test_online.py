@@ -54,6 +54,20 @@ def online(db, tmp_path, tiny):
     return registry, target
 
 
+@pytest.fixture
+def trained(monkeypatch) -> list[list[str]]:
+    """The ids of the trajectories each training round's ``fit`` was given, round by round."""
+    rounds: list[list[str]] = []
+    fit = lightning_modules.online.fit
+
+    def spy(drafter, target, data, *a, **k):
+        rounds.append([t.id for t in data])
+        return fit(drafter, target, data, *a, **k)
+
+    monkeypatch.setattr("lightning_modules.online.fit", spy)
+    return rounds
+
+
 FAST = OnlineConfig(
     min_new=8,
     min_samples=4,
@@ -82,7 +96,7 @@ def test_training_round_publishes_gates_and_consumes_exactly_the_trained_rows(db
 
 
 def test_a_round_trains_on_the_replay_window_too_and_consumes_only_its_new_rows(
-    db, online, tiny, monkeypatch
+    db, online, tiny, trained
 ):
     """``replay``: a round trains on the latest rows earlier rounds consumed as well as on its
     new ones, and marks only the new ones consumed (the held-out rows never enter the window)."""
@@ -90,14 +104,7 @@ def test_a_round_trains_on_the_replay_window_too_and_consumes_only_its_new_rows(
     first = claim_run(db, "admin")
     training_round(db, registry, target, FAST, first)  # seq 1–9 consumed, 10–12 held out
     write_records(db, [replace(r, request_id=f"{r.request_id}-b") for r in tiny[2][:9]])
-    trained: list[list[str]] = []
-    fit = lightning_modules.online.fit
-
-    def spy(drafter, target, data, *a, **k):
-        trained.append([t.id for t in data])
-        return fit(drafter, target, data, *a, **k)
-
-    monkeypatch.setattr("lightning_modules.online.fit", spy)
+    trained.clear()  # the second round's alone
     second = claim_run(db, "admin")
     out = training_round(db, registry, target, replace(FAST, replay=5), second)
     with Session(db) as s:
@@ -111,7 +118,7 @@ def test_a_round_trains_on_the_replay_window_too_and_consumes_only_its_new_rows(
 
 
 def test_a_round_also_trains_on_trajectories_of_the_domains_to_retain(
-    db, online, tiny, tmp_path, monkeypatch
+    db, online, tiny, tmp_path, trained
 ):
     """``retain``: each round trains on that many trajectories of ``retain_from`` (gzipped JSONL
     read too) beside its new rows, a seeded draw per run; they count as samples, not consumed."""
@@ -126,14 +133,6 @@ def test_a_round_also_trains_on_trajectories_of_the_domains_to_retain(
     ]
     path = tmp_path / "old.jsonl.gz"
     path.write_bytes(gzip.compress("\n".join(t.to_json() for t in old).encode()))
-    trained: list[list[str]] = []
-    fit = lightning_modules.online.fit
-
-    def spy(drafter, target, data, *a, **k):
-        trained.append([t.id for t in data])
-        return fit(drafter, target, data, *a, **k)
-
-    monkeypatch.setattr("lightning_modules.online.fit", spy)
     cfg = replace(FAST, retain=4, retain_from=(str(path),))
     out = training_round(db, registry, target, cfg, claim_run(db, "admin"))
     kept = [i for i in trained[0] if i.startswith("old-")]
