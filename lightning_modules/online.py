@@ -22,7 +22,7 @@ import logging
 import random
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from adaflash.config import DistillConfig
 from adaflash.distill import simulate_acceptance
 from adaflash.models.target import TargetModel
 from adaflash.paths import REPO
+from adaflash.pull import DEFAULT_TARGET, pulled_as
 from adaflash.workloads import Trajectory, read_trajectories
 from db.buffer import mark_consumed, recently_consumed, unconsumed
 from db.models import TrajectoryRow
@@ -111,6 +112,22 @@ def retained(cfg: OnlineConfig, run_id: int) -> list[Trajectory]:
         return []
     pool = read_trajectories([Path(p) for p in cfg.retain_from])
     return random.Random(run_id).sample(pool, min(cfg.retain, len(pool)))
+
+
+def for_target(cfg: OnlineConfig, target_dir: Path) -> OnlineConfig:
+    """``cfg`` as a trainer of the target in ``target_dir`` applies it. The shipped
+    trajectories are the default target's tokens and answers: with any other target, training on
+    them would teach the drafter another model's text, so ``retain`` drawing on them is off there
+    (``retain_from`` files of that target's own answers keep it on)."""
+    if not cfg.retain or cfg.retain_from != SHIPPED_DOMAINS or pulled_as(target_dir):
+        return cfg
+    log.warning(
+        "retain is off: the shipped chat and code trajectories are %s's answers, not %s's; "
+        "give --retain-from files of its own answers to keep its other domains",
+        DEFAULT_TARGET,
+        target_dir,
+    )
+    return replace(cfg, retain=0)
 
 
 def training_round(

@@ -24,7 +24,7 @@ from adaflash.models.target import TargetModel, load_target
 from db.buffer import count_unconsumed
 from db.registry import Registry
 from db.runs import claim_run, fail_stale_runs, finish_run, pending_request
-from lightning_modules.online import OnlineConfig, RoundOutcome, training_round
+from lightning_modules.online import OnlineConfig, RoundOutcome, for_target, training_round
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class TrainerService:
         cfg: TrainerConfig | None = None,
     ) -> None:
         self.db, self.registry, self.target_dir = db, registry, target_dir
-        self.online, self.cfg = online, cfg or TrainerConfig()
+        self.online, self.cfg = for_target(online, target_dir), cfg or TrainerConfig()
         self._target: TargetModel | None = None
         self._lock = threading.Lock()
         self.scheduler: BackgroundScheduler | None = None

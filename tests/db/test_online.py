@@ -147,6 +147,31 @@ def test_a_round_also_trains_on_trajectories_of_the_domains_to_retain(
         OnlineConfig(retain=-1)
 
 
+def test_retain_draws_on_the_shipped_trajectories_only_for_the_target_that_wrote_them(
+    db, online, tiny, tmp_path
+):
+    """The shipped trajectories are the default target's answers: a trainer of any other
+    target turns ``retain`` off unless ``retain_from`` names files of its own."""
+    import json
+
+    from adaflash.pull import DEFAULT_MODELS, DEFAULT_TARGET, MARKER, pulled_as
+    from app.training.trainer import TrainerService
+    from lightning_modules.online import SHIPPED_DOMAINS, for_target
+
+    folder = tiny[0]
+    shipped = OnlineConfig(retain=8)
+    assert shipped.retain_from == SHIPPED_DOMAINS and pulled_as(folder) is None
+    assert for_target(shipped, folder).retain == 0
+    assert TrainerService(db, online[0], folder, shipped).online.retain == 0
+    own = replace(shipped, retain_from=(str(tmp_path / "own.jsonl"),))
+    assert for_target(own, folder) == own
+    pulled = tmp_path / "pulled"
+    pulled.mkdir()
+    source = DEFAULT_MODELS[DEFAULT_TARGET].requirement
+    (pulled / MARKER).write_text(json.dumps({"source": source}))
+    assert pulled_as(pulled) == DEFAULT_TARGET and for_target(shipped, pulled) == shipped
+
+
 def test_gate_rejects_a_worse_candidate(db, online):
     registry, target = online
     strict = OnlineConfig(
