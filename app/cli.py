@@ -137,8 +137,8 @@ def add_online_args(p: argparse.ArgumentParser) -> None:
         "--retain",
         type=int,
         default=None,
-        help="trajectories of --retain-from each round also trains on (0: none), so traffic "
-        "that moved to one domain does not pull the drafter from the others",
+        help="trajectories of --retain-from each round also trains on (default 128; 0: none), so "
+        "traffic that moved to one domain does not pull the drafter from the others",
     )
     p.add_argument(
         "--retain-from",

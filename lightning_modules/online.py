@@ -57,7 +57,9 @@ class OnlineConfig:
     holdout_fraction: float = 0.125
     gate_margin: float = 0.0  # τ points the candidate must gain over the active version (≥)
     replay: int = 0  # trajectories of earlier rounds trained on again with the new ones
-    retain: int = 0  # trajectories of ``retain_from`` trained on with each round's new ones
+    # trajectories of ``retain_from`` trained on with each round's new ones: as many as a round
+    # needs new (README "Keeping the old domains": no forgetting at 96 beside 84 new)
+    retain: int = 128
     retain_from: tuple[str, ...] = SHIPPED_DOMAINS  # trajectory files (JSONL, or .jsonl.gz)
     gate_anchors: int = 32
     distill: DistillConfig = field(default_factory=DistillConfig)

@@ -69,6 +69,7 @@ def trained(monkeypatch) -> list[list[str]]:
 
 
 FAST = OnlineConfig(
+    retain=0,  # the shipped trajectories answer for the default target, not the tiny one
     min_new=8,
     min_samples=4,
     holdout_fraction=0.25,
@@ -175,6 +176,7 @@ def test_retain_draws_on_the_shipped_trajectories_only_for_the_target_that_wrote
 def test_gate_rejects_a_worse_candidate(db, online):
     registry, target = online
     strict = OnlineConfig(
+        retain=0,
         min_new=8,
         min_samples=4,
         holdout_fraction=0.25,
@@ -212,7 +214,7 @@ def test_by_default_a_candidate_that_measures_worse_is_not_promoted(
 
 def test_failed_round_publishes_nothing(db, online):
     registry, target = online
-    bad = OnlineConfig(min_new=8, min_samples=4, distill=DistillConfig(anchors_per_seq=4))
+    bad = OnlineConfig(retain=0, min_new=8, min_samples=4, distill=DistillConfig(anchors_per_seq=4))
     registry.get("v0000").path.joinpath("model.safetensors").write_bytes(b"corrupt")
     out = training_round(db, registry, target, bad, claim_run(db, "admin"))
     assert out.status == "failed" and "sha256" in out.reason
