@@ -42,8 +42,10 @@ DEFAULT_PROMPTS = WORKLOADS_DIR / "math_train.jsonl"
 # how a server the demo starts trains: a round per 96 new trajectories, four epochs, 64 anchors
 # a sequence, as bench/demo_adapt.py does by default (rounds of 24 and 16 anchors moved math τ
 # half as far: docs/results/adapt/zen4_1206_opd_chunk24; two epochs +24% in five versions,
-# four +32%: docs/results/adapt/zen4_1206_both, xeon_1207_epochs4)
-TRAINING_FLAGS = ("--min-new", "96", "--epochs", "4", "--anchors", "64")
+# four +32%: docs/results/adapt/zen4_1206_both, xeon_1207_epochs4), and 96 of the shipped chat
+# and code trajectories a round beside them, which kept both where they were
+# (docs/results/adapt/zen5_1207_r96)
+TRAINING_FLAGS = ("--min-new", "96", "--epochs", "4", "--anchors", "64", "--retain", "96")
 
 
 @dataclass(frozen=True)
