@@ -121,7 +121,11 @@ def for_target(cfg: OnlineConfig, target_dir: Path) -> OnlineConfig:
     trajectories are the default target's tokens and answers: with any other target, training on
     them would teach the drafter another model's text, so ``retain`` drawing on them is off there
     (``retain_from`` files of that target's own answers keep it on)."""
-    if not cfg.retain or cfg.retain_from != SHIPPED_DOMAINS or pulled_as(target_dir):
+    if (
+        not cfg.retain
+        or cfg.retain_from != SHIPPED_DOMAINS
+        or pulled_as(target_dir) == DEFAULT_TARGET
+    ):
         return cfg
     log.warning(
         "retain is off: the shipped chat and code trajectories are %s's answers, not %s's; "
