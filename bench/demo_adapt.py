@@ -477,8 +477,9 @@ def main() -> None:
     ap.add_argument(
         "--retain",
         type=int,
-        default=OnlineConfig().retain,
-        help="the trainer's chat and code trajectories a round (the shipped drafter's domains)",
+        default=96,
+        help="the trainer's chat and code trajectories a round (the shipped drafter's domains; "
+        "96, about as many as a round's new ones, as adaflash demo's server; 0: none)",
     )
     ap.add_argument("--anchors", type=int, default=64, help="the trainer's anchors a sequence")
     ap.add_argument("--eval-prompts", type=int, default=8)
