@@ -189,6 +189,17 @@ def arm_of(arm: dict) -> str:
     return arm_name(arm["replay"], arm.get("retain", 0))
 
 
+def paired(windows: list[int], retains: list[int]) -> list[tuple[int, int]]:
+    """The arms: ``--replay`` and ``--retain`` in order, a single value of either for every arm."""
+    if len(windows) == 1:
+        windows = windows * len(retains)
+    if len(retains) == 1:
+        retains = retains * len(windows)
+    if len(windows) != len(retains):
+        raise SystemExit("--replay and --retain pair up: give each one value or the same count")
+    return list(zip(windows, retains, strict=True))
+
+
 def brief(row: dict) -> str:
     taus = " ".join(f"{d} τ {tau(c):.3f}" for d, c in row["counts"].items())
     return f"{row['version']} ({'promoted' if row['promoted'] else row['status']}) {taus}"
@@ -245,13 +256,7 @@ def main() -> None:
     print(f"{len(records)} math train trajectories, held out {', '.join(held)}", flush=True)
     layers = load_drafter(Path(args.drafter)).cfg.target_layer_ids
     seqs = {d: cached(target, layers, rs) for d, rs in held.items()}
-    n = max(len(args.replay), len(args.retain))
-    if {len(args.replay), len(args.retain)} - {1, n}:
-        raise SystemExit("--replay and --retain pair up: give each one value or the same count")
-    pairs = zip(
-        args.replay * (n // len(args.replay)), args.retain * (n // len(args.retain)), strict=True
-    )
-    arms = [run_arm(w, k, target, records, seqs, args) for w, k in pairs]
+    arms = [run_arm(w, k, target, records, seqs, args) for w, k in paired(args.replay, args.retain)]
     result = {
         "benchmark": "bench/replay_window.py",
         "args": {**vars(args), "drafter": repo_relative(args.drafter)},
