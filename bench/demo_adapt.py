@@ -503,6 +503,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.versions, args.eval_prompts, args.max_new_tokens = 1, 1, 2, 32
+    supply = len(load_prompts("math", "train"))
+    if args.versions * args.chunk > supply:  # else the last rounds would wait out their timeout
+        raise SystemExit(
+            f"--versions {args.versions} × --chunk {args.chunk} needs "
+            f"{args.versions * args.chunk} math train prompts; there are {supply}"
+        )
     torch.set_num_threads(1)  # the other core belongs to the trainer process
     target_dir = resolve_target(args.target)
     target = load_target(target_dir, args.dtype)

@@ -103,6 +103,17 @@ def test_resume_keeps_finished_arms_of_the_same_settings_only(adapt, tmp_path):
         adapt.resumed(path, fresh)
 
 
+def test_a_run_needing_more_math_prompts_than_there_are_stops_before_loading_a_model(
+    adapt, monkeypatch
+):
+    supply = len(adapt.load_prompts("math", "train"))
+    monkeypatch.setattr(adapt, "load_target", lambda *a: pytest.fail("loaded a model"))
+    argv = ["demo_adapt.py", "--versions", "2", "--chunk", str(supply // 2 + 1)]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit, match=f"needs {2 * (supply // 2 + 1)} math train prompts"):
+        adapt.main()
+
+
 def test_an_eval_pass_of_the_cost_policy_reports_its_probes_and_prices(adapt, tmp_path):
     """``run_policy`` on a tiny model, eager: τ per prompt, tokens/s, and for ``cost`` what it
     decided from (probes, their whole-block τ, the drafter's and plain steps' prices)."""
