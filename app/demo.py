@@ -39,13 +39,13 @@ from adaflash.workloads import WORKLOADS_DIR, read_prompt_file
 from app.serve_process import alive, wait_until_up
 
 DEFAULT_PROMPTS = WORKLOADS_DIR / "math_train.jsonl"
-# how a server the demo starts trains: a round per 96 new trajectories, four epochs, 64 anchors
-# a sequence, as bench/demo_adapt.py does by default (rounds of 24 and 16 anchors moved math τ
-# half as far: docs/results/adapt/zen4_1206_opd_chunk24; two epochs +24% in five versions,
-# four +32%: docs/results/adapt/zen4_1206_both, xeon_1207_epochs4), and 96 of the shipped chat
-# and code trajectories a round beside them, which kept both where they were
-# (docs/results/adapt/zen5_1207_r96)
-TRAINING_FLAGS = ("--min-new", "96", "--epochs", "4", "--anchors", "64", "--retain", "96")
+# how a server the demo starts trains: a round per 120 new trajectories, four epochs, 64 anchors
+# a sequence, and 64 of the shipped chat and code trajectories a round beside them, as
+# bench/demo_adapt.py does by default: math τ +38.8% in five versions, chat and code within 3%
+# (docs/results/adapt/zen4_1207_c120). Rounds of 24 and 16 anchors moved math τ half as far
+# (zen4_1206_opd_chunk24); two epochs +24% in five versions, four +32% (zen4_1206_both,
+# xeon_1207_epochs4); 96 new and none retained lost 8.9% on code (xeon_1207b_opd)
+TRAINING_FLAGS = ("--min-new", "120", "--epochs", "4", "--anchors", "64", "--retain", "64")
 
 
 @dataclass(frozen=True)

@@ -466,7 +466,9 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=["opd", "osd"])
     ap.add_argument("--repeats", type=int, default=2, help="seeds per arm (own prompt order)")
     ap.add_argument("--versions", type=int, default=5)
-    ap.add_argument("--chunk", type=int, default=96, help="math prompts served per round")
+    ap.add_argument(
+        "--chunk", type=int, default=120, help="math prompts served per round (5 × 120: all 600)"
+    )
     ap.add_argument("--epochs", type=int, default=4, help="passes over a round's trajectories")
     ap.add_argument(
         "--replay",
@@ -477,9 +479,9 @@ def main() -> None:
     ap.add_argument(
         "--retain",
         type=int,
-        default=96,
+        default=64,
         help="the trainer's chat and code trajectories a round (the shipped drafter's domains; "
-        "96, about as many as a round's new ones, as adaflash demo's server; 0: none)",
+        "64 beside 120 new, as adaflash demo's server; 0: none)",
     )
     ap.add_argument("--anchors", type=int, default=64, help="the trainer's anchors a sequence")
     ap.add_argument("--eval-prompts", type=int, default=8)
