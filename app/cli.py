@@ -570,13 +570,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="JSONL file, a 'prompt' per line (default: workloads/math_train.jsonl)",
     )
-    p.add_argument("--concurrency", type=int, default=None, help="requests in flight (4)")
+    p.add_argument("--concurrency", type=int, default=None, help="requests in flight (1)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (128)")
     p.add_argument("--temperature", type=float, default=None, help="default 0: greedy")
     p.add_argument(
         "--versions", type=int, default=None, help="stop after N new versions (3; 0: never)"
     )
-    p.add_argument("--minutes", type=float, default=None, help="stop after M minutes (30)")
+    p.add_argument("--minutes", type=float, default=None, help="stop after M minutes (60)")
     p.add_argument(
         "--settle-s",
         type=float,

@@ -9,7 +9,7 @@ and stops by itself ``settle_s`` after the ``versions``-th new version went live
 ``minutes`` minutes (Ctrl-C: now). At
 the end it prints one row per version served: requests, τ, verify length, tokens/s.
 
-    adaflash demo                          # starts `serve` (trains every 24 new trajectories)
+    adaflash demo                          # starts `serve` (trains every 120 new trajectories)
     adaflash demo --url http://host:8000   # a running server, with its own training settings
     adaflash demo --prompts my.jsonl -- --policy head   # any JSONL with a "prompt" per line;
                                                         # after `--`: flags for `serve`
@@ -53,12 +53,15 @@ class DemoConfig:
     url: str | None = None  # a running server; None: the one on ``port``, started if down
     port: int = 8000
     prompts: str = str(DEFAULT_PROMPTS)
-    concurrency: int = 4
+    # one in flight: where the default policy's drafting shows on this CPU (docs/results/adapt/
+    # zen4_1207_c120: at one request 1.00x -> 1.20x of plain decoding over the versions, at four
+    # 0.96-1.06x, a verify pass dearer against batched plain steps, so served τ barely moves)
+    concurrency: int = 1
     max_tokens: int = 128
     temperature: float = 0.0
     versions: int = 3  # stop once this many new versions were served (0: only ``minutes``)
     settle_s: float = 60.0  # … and serve on this long after the last (its τ measured, not a blip)
-    minutes: float = 30.0
+    minutes: float = 60.0  # three versions took 48 min on 2 cores (demo_live_zen4_1207b.json)
     poll_s: float = 2.0  # /metrics reads (a version's window starts within this of its swap)
     report_s: float = 10.0  # a progress line this often
     keep_serving: bool = False
