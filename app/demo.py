@@ -207,7 +207,14 @@ class Load:
         with httpx.Client(base_url=self.url, timeout=600.0) as client:
             while not self._stop.is_set():
                 with self._lock:
-                    prompt, domain = self.prompts[next(self._next) % len(self.prompts)]
+                    sent = next(self._next)
+                    prompt, domain = self.prompts[sent % len(self.prompts)]
+                if sent == len(self.prompts):  # from here on τ is partly on prompts trained on
+                    print(
+                        f"[demo] all {sent} prompts sent; sending them again "
+                        "(earlier rounds may have trained on them)",
+                        flush=True,
+                    )
                 body = {
                     "model": self.model,
                     "messages": [{"role": "user", "content": prompt}],

@@ -61,6 +61,8 @@ def test_demo_starts_a_server_and_watches_new_versions_go_live(tmp_path):
     # each swap it saw is printed (a fast trainer may publish several versions between two
     # looks: the first one seen need not be v0001)
     assert f"now serving {served[1]}" in r.stdout and "| version |" in r.stdout
+    # more requests than the file's 3 prompts: it says when it starts sending them again, once
+    assert r.stdout.count("[demo] all 3 prompts sent; sending them again") == 1
     # requests carry the file's domain: the dashboard's per-domain τ shows it
     db = sqlite3.connect(tmp_path / "data" / "adaflash.db")
     assert {d for (d,) in db.execute("select distinct domain from round_stats")} == {"quiz"}
