@@ -39,13 +39,30 @@ from adaflash.workloads import WORKLOADS_DIR, read_prompt_file
 from app.serve_process import alive, wait_until_up
 
 DEFAULT_PROMPTS = WORKLOADS_DIR / "math_train.jsonl"
+
+
 # how a server the demo starts trains: a round per 120 new trajectories, four epochs, 64 anchors
 # a sequence, and 64 of the shipped chat and code trajectories a round beside them, as
 # bench/demo_adapt.py does by default: math τ +38.8% in five versions, chat and code within 3%
 # (docs/results/adapt/zen4_1207_c120). Rounds of 24 and 16 anchors moved math τ half as far
 # (zen4_1206_opd_chunk24); two epochs +24% in five versions, four +32% (zen4_1206_both,
 # xeon_1207_epochs4); 96 new and none retained lost 8.9% on code (xeon_1207b_opd)
-TRAINING_FLAGS = ("--min-new", "120", "--epochs", "4", "--anchors", "64", "--retain", "64")
+@dataclass(frozen=True)
+class DemoTraining:
+    min_new: int = 120  # a round per this many new trajectories
+    epochs: int = 4
+    anchors: int = 64  # a sequence
+    retain: int = 64  # shipped chat and code trajectories a round beside the new ones
+
+    def flags(self) -> tuple[str, ...]:
+        """As `adaflash serve` (its trainer) takes them."""
+        return (
+            *("--min-new", str(self.min_new), "--epochs", str(self.epochs)),
+            *("--anchors", str(self.anchors), "--retain", str(self.retain)),
+        )
+
+
+TRAINING = DemoTraining()
 
 
 @dataclass(frozen=True)
@@ -247,7 +264,7 @@ def start_server(cfg: DemoConfig, log_path: Path) -> subprocess.Popen:
     """``adaflash serve`` on ``cfg.port`` with the demo's training cadence (flags in
     ``serve_args`` win: argparse keeps the last)."""
     cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(cfg.port)]
-    cmd += [*TRAINING_FLAGS, *cfg.serve_args]
+    cmd += [*TRAINING.flags(), *cfg.serve_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as out:
         # its own session: Ctrl-C reaches the demo, which then stops the server gracefully

@@ -66,6 +66,7 @@ from adaflash.paths import REPO, repo_relative, write_text_atomic
 from adaflash.pull import resolve_target
 from adaflash.tokenizer import Tokenizer
 from adaflash.workloads import load_prompts
+from app.demo import TRAINING
 from app.training.hotswap import VersionWatcher
 from db.buffer import BufferWriter
 from db.registry import Registry
@@ -466,10 +467,13 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=["opd", "osd"])
     ap.add_argument("--repeats", type=int, default=2, help="seeds per arm (own prompt order)")
     ap.add_argument("--versions", type=int, default=5)
+    # the training defaults are adaflash demo's server's (app/demo.py TRAINING)
     ap.add_argument(
-        "--chunk", type=int, default=120, help="math prompts served per round (5 × 120: all 600)"
+        "--chunk", type=int, default=TRAINING.min_new, help="math prompts a round (%(default)s)"
     )
-    ap.add_argument("--epochs", type=int, default=4, help="passes over a round's trajectories")
+    ap.add_argument(
+        "--epochs", type=int, default=TRAINING.epochs, help="passes over a round (%(default)s)"
+    )
     ap.add_argument(
         "--replay",
         type=int,
@@ -479,11 +483,13 @@ def main() -> None:
     ap.add_argument(
         "--retain",
         type=int,
-        default=64,
+        default=TRAINING.retain,
         help="the trainer's chat and code trajectories a round (the shipped drafter's domains; "
-        "64 beside 120 new, as adaflash demo's server; 0: none)",
+        "%(default)s; 0: none)",
     )
-    ap.add_argument("--anchors", type=int, default=64, help="the trainer's anchors a sequence")
+    ap.add_argument(
+        "--anchors", type=int, default=TRAINING.anchors, help="anchors a sequence (%(default)s)"
+    )
     ap.add_argument("--eval-prompts", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
