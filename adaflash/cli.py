@@ -247,6 +247,58 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drafter_data(args: argparse.Namespace) -> int:
+    """Shards of self-written prompts and the target's greedy answers (resumable; see
+    ``adaflash/datagen/job.py``)."""
+    from adaflash.datagen.job import DataJob, DataJobConfig, shard_paths
+    from adaflash.pull import resolve_target
+
+    cfg = DataJobConfig(
+        out=Path(args.out),
+        work=Path(args.work),
+        seed=args.seed,
+        shards=args.shards,
+        first_shard=args.first_shard,
+        prompts_per_shard=args.prompts_per_shard,
+    )
+    if args.magpie_only:
+        cfg = cfg.magpie_only()
+    engine_cfg = EngineConfig(
+        policy="ar",
+        dtype=args.dtype,
+        num_threads=args.threads,
+        max_running_requests=args.batch,
+        max_batch_tokens=max(512, args.batch * 16),
+        compile=args.compile,
+    )
+    engine, tok = build_engine(resolve_target(args.target), None, engine_cfg)
+    job = DataJob(cfg, engine, tok, log=lambda m: print(time.strftime("%H:%M:%S"), m, flush=True))
+    made = job.run()
+    print(f"{len(made)} new shards; {len(shard_paths(cfg.out, cfg.seed))} in {cfg.out}")
+    return 0
+
+
+def _add_drafter_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "drafter-data",
+        help="self-written prompts (Magpie) + standard-library tasks and the target's greedy "
+        "answers, in resumable gzip shards (drafter-training data)",
+    )
+    p.add_argument("--out", default="assets/drafter_data", help="sealed shards")
+    p.add_argument("--work", default="data/drafter_data_work", help="unfinished shards' stages")
+    p.add_argument("--seed", type=int, default=0, help="namespace: 0 training, 1 held-out")
+    p.add_argument("--shards", type=int, default=100, help="make shards [--first-shard, this)")
+    p.add_argument("--first-shard", type=int, default=0)
+    p.add_argument("--prompts-per-shard", type=int, default=512)
+    p.add_argument("--magpie-only", action="store_true", help="no standard-library tasks")
+    p.add_argument("--target", default=None, help="model folder or name (default: smollm2)")
+    p.add_argument("--batch", type=int, default=32, help="concurrent requests")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads (a background job: 1)")
+    p.add_argument("--compile", action="store_true", help="compiled batched decode steps")
+    p.set_defaults(func=cmd_drafter_data)
+
+
 def _add_pull(sub: argparse._SubParsersAction) -> None:
     from adaflash.pull import DEFAULT_MODELS, DEFAULT_TARGET
 
@@ -334,6 +386,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _add_generate(sub)
     _add_pull(sub)
     _add_regenerate(sub)
+    _add_drafter_data(sub)
 
 
 def run(args: argparse.Namespace) -> int:
