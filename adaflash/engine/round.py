@@ -22,12 +22,12 @@ from typing import Protocol
 import torch
 
 from adaflash.decoding.acceptance import argmax_rows, greedy_accept, sampled_accept
-from adaflash.decoding.sampling import sample, target_probs
+from adaflash.decoding.sampling import sample_tokens
 from adaflash.engine.policy import Policy, PolicyContext
 from adaflash.engine.request import FeatureStore, Request
 from adaflash.engine.scheduler import Admission, Prefill
 from adaflash.models.draft_graph import DraftGraph
-from adaflash.models.drafter import KV, BatchedContext, DFlashDrafter
+from adaflash.models.drafter import KV, BatchedContext, DFlashDrafter, NewContext
 from adaflash.models.kv_cache import KVCache
 from adaflash.models.target import PackedBatch, TargetModel, TargetOutput
 
@@ -206,18 +206,17 @@ def draft_plans(
     k = d.drafter.cfg.block_size
     both = spec + probes
     catch_up = {id(r): pending_context(d, r) for r in both}
-    # 1. draft_block: [anchor, mask_token_id × (k−1)] at positions p … p+k−1
-    block_ids = torch.full((len(both), k), d.drafter.cfg.mask_token_id)
-    block_ids[:, 0] = torch.tensor([r.anchor for r in both])
-    positions = torch.tensor([r.anchor_pos for r in both])[:, None] + torch.arange(k)
-    context = BatchedContext.stack([drafter_context(d, r) for r in both])
-    with torch.inference_mode():
+    with torch.inference_mode():  # every input of the compiled pass an inference tensor
+        # 1. draft_block: [anchor, mask_token_id × (k−1)] at positions p … p+k−1
+        block_ids = torch.full((len(both), k), d.drafter.cfg.mask_token_id)
+        block_ids[:, 0] = torch.tensor([r.anchor for r in both])
+        positions = torch.tensor([r.anchor_pos for r in both])[:, None] + torch.arange(k)
         block = target.embed_tokens(block_ids.to(target.device))  # (B, k, H)
-        states = None if d.graph is None else d.graph.states(d.drafter, block, positions, context)
-        if states is None:  # no compiled pass for this call: the eager one
-            states = d.drafter.draft_states(block, positions, context)  # (B, k, H)
+        states, drafted = drafter_pass(target, d, both, block, positions)  # (B, k, H), (B, k−1)
         mine, shadow = states[: len(spec)], states[len(spec) :]
-        for r, row in zip(probes, propose(target, d, probes, shadow, k), strict=True):
+        shadow_drafts = None if drafted is None else drafted[len(spec) :]
+        probed = propose(target, d, probes, shadow, k, shadow_drafts)
+        for r, row in zip(probes, probed, strict=True):
             r.shadow, r.shadow_seen = (len(r.output_ids), row), 0
         plans = {id(r): Plan(r, 1, [], 0, None, catch_up[id(r)], shadow=True) for r in probes}
         if not spec:
@@ -229,6 +228,8 @@ def draft_plans(
         # 3. drafts: argmax over the draft vocabulary on the mask slots to be verified
         if d.propose is not None:
             drafts, k_hat = d.propose(spec, mine, k_hat)
+        elif drafted is not None:
+            drafts = drafted[: len(spec)].tolist()
         else:
             drafts = draft_tokens(target, d.drafter, mine, int(k_hat.max()) - 1)
     return plans | {
@@ -244,14 +245,51 @@ def draft_plans(
     }
 
 
+def drafter_pass(
+    target: TargetModel,
+    d: Drafting,
+    reqs: list[Request],
+    block: torch.Tensor,  # (B, k, H)
+    positions: torch.Tensor,  # (B, k)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The drafter's pass over ``reqs``: their final block states (B, k, H) and, where the
+    compiled pass ran (``Drafting.graph``), every mask slot's draft (B, k − 1) with them —
+    the context committed since each request's last draft projected in the same graph. Else
+    the eager pass: the context caught up first, then the states alone (drafts: the caller)."""
+    for r in reqs:
+        context_slot(d, r)
+    head = None if d.graph is None else d.drafter.head_panels(target.lm_head.weight)
+    if d.graph is not None and head is not None:
+        new = [new_features(d, r) for r in reqs]  # (n_b, K·H) each
+        context = BatchedContext.stack([drafter_context(d, r) for r in reqs], min_length=2)
+        fresh = NewContext.stack([(f, r.ctx_len) for f, r in zip(new, reqs, strict=True)])
+        out = d.graph.draft(d.drafter, head, block, positions, context, fresh)
+        if out is not None:
+            states, index, new_kv = out  # new_kv: (B, layers, 2, kv, N, d)
+            for b, (r, f) in enumerate(zip(reqs, new, strict=True)):
+                append_context(d, r, new_kv[b, :, :, :, : f.shape[0]])
+            return states, d.drafter.to_target_ids(index)
+    catch_up_context(d, reqs)
+    context = BatchedContext.stack([drafter_context(d, r) for r in reqs])
+    return d.drafter.draft_states(block, positions, context), None
+
+
 def propose(
-    target: TargetModel, d: Drafting, reqs: list[Request], states: torch.Tensor, k: int
+    target: TargetModel,
+    d: Drafting,
+    reqs: list[Request],
+    states: torch.Tensor,
+    k: int,
+    drafted: torch.Tensor | None = None,
 ) -> list[list[int]]:
-    """The whole block's drafts (k − 1 each) from drafter states (B, k, H)."""
+    """The whole block's drafts (k − 1 each) from drafter states (B, k, H), or the pass's
+    own drafts (B, k − 1) where it made them."""
     if not reqs:
         return []
     if d.propose is not None:
         return d.propose(reqs, states, torch.full((len(reqs),), k))[0]
+    if drafted is not None:
+        return drafted.tolist()
     return draft_tokens(target, d.drafter, states, k - 1)
 
 
@@ -293,21 +331,50 @@ def stand_in(owner: HasDrafter, drafts: Callable[[Request, int], list[int]]) -> 
     return propose
 
 
-def drafter_context(d: Drafting, r: Request) -> list[KV]:
-    """Context keys/values of every drafter layer, projecting features not yet projected."""
+def context_slot(d: Drafting, r: Request) -> None:
+    """Give ``r`` a row of the drafter's context cache for the drafter version serving now (a
+    fresh one, projected from position 0, after a swap or a failed pass)."""
     assert r.features is not None
     if r.ctx_version != d.version or r.draft_slot not in d.cache:
         r.draft_slot = d.cache.allocate()
         r.ctx_len, r.ctx_version = 0, d.version
-    new = d.features.view(r.features, r.ctx_len)  # (n, K·H)
-    if new.shape[0]:
-        positions = torch.arange(r.ctx_len, r.ctx_len + new.shape[0])
-        d.cache.reserve(r.draft_slot, new.shape[0])
-        with torch.inference_mode():
-            for li, (k, v) in enumerate(d.drafter.context_kv(new, positions)):
-                d.cache.write(r.draft_slot, li, k, v)
-        d.cache.advance(r.draft_slot, new.shape[0])
-        r.ctx_len += new.shape[0]
+
+
+def new_features(d: Drafting, r: Request) -> torch.Tensor:
+    """Features (n, K·H) of the positions ``r`` committed since its context was projected."""
+    assert r.features is not None
+    return d.features.view(r.features, r.ctx_len)
+
+
+def append_context(d: Drafting, r: Request, kv: torch.Tensor) -> None:
+    """Append the keys/values (layers, 2, kv_heads, n, d) of ``r``'s next n positions."""
+    n = kv.shape[3]
+    d.cache.reserve(r.draft_slot, n)
+    d.cache.write_layers(r.draft_slot, kv)
+    d.cache.advance(r.draft_slot, n)
+    r.ctx_len += n
+
+
+def catch_up_context(d: Drafting, reqs: list[Request]) -> None:
+    """The eager pass's first part: project the features each request committed since its
+    last draft into its drafter context (the fused context c and every layer's keys/values),
+    all requests in one call."""
+    parts = [(r, new_features(d, r)) for r in reqs]  # (n, K·H) each
+    parts = [(r, new) for r, new in parts if new.shape[0]]
+    if not parts:
+        return
+    features = torch.cat([new for _, new in parts])  # (Σn, K·H)
+    positions = torch.cat([torch.arange(r.ctx_len, r.ctx_len + len(new)) for r, new in parts])
+    with torch.inference_mode():
+        kv = d.drafter.context_layers(features, positions)  # (layers, 2, kv, Σn, d)
+    start = 0
+    for r, new in parts:
+        append_context(d, r, kv[:, :, :, start : start + len(new)])
+        start += len(new)
+
+
+def drafter_context(d: Drafting, r: Request) -> list[KV]:
+    """Context keys/values of every drafter layer, as far as projected."""
     return [d.cache.read(r.draft_slot, li) for li in range(d.drafter.cfg.num_layers)]
 
 
@@ -385,7 +452,7 @@ def commit_prefill(pre: Prefill, out: TargetOutput, row: tuple[int, int, int]) -
     p = r.params
     if p.greedy:
         return argmax_rows(logits)[0]
-    return int(sample(target_probs(logits, p.temperature, p.top_k, p.top_p), r.generator))
+    return int(sample_tokens(logits, p.temperature, p.top_k, p.top_p, r.generator)[0])
 
 
 def keep_features(

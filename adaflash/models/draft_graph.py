@@ -33,41 +33,63 @@ from adaflash.models.decode_graph import quick_gil_handoff, trace_fx_once_here
 from adaflash.models.layers import Projection, apply_rope
 
 if TYPE_CHECKING:
-    from adaflash.models.drafter import BatchedContext, DFlashDrafter
+    from adaflash.models.drafter import BatchedContext, DFlashDrafter, NewContext
 
 log = logging.getLogger(__name__)
 
-WARM_CONTEXT = (24, 40)  # context lengths each graph is run at when built (the dim is dynamic)
+# (projected, new) context lengths each graph is run at when built (both dims are dynamic)
+WARM_SIZES = ((24, 3), (40, 5))
 
 
-def block_states(
+def draft_pass(
     drafter: DFlashDrafter,
+    head: torch.Tensor,  # the draft head's panels (``DFlashDrafter.head_panels``)
     block: torch.Tensor,  # (B, Q, H) target embeddings of [anchor, mask, …]
     positions: torch.Tensor,  # (B, Q) absolute positions
-    keys: list[torch.Tensor],  # per layer (B, kv_heads, C, d), padded to the longest context
+    keys: list[torch.Tensor],  # per layer (B, kv_heads, C, d): context projected before
     values: list[torch.Tensor],
-    lengths: torch.Tensor,  # (B,) each request's context length
-) -> torch.Tensor:
-    """``DFlashDrafter.draft_states`` written for the compiler: the same math, every projection
-    through its weight's panels, attention in fp32 (two matmuls over the context and the block,
-    the padding keys masked); the final normed block states (B, Q, H)."""
+    lengths: torch.Tensor,  # (B,) positions of ``keys`` in use per request
+    features: torch.Tensor,  # (B, N, K·H) target features of positions not projected yet
+    new_positions: torch.Tensor,  # (B, N) their absolute positions
+    new_lengths: torch.Tensor,  # (B,) rows of ``features`` in use per request
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole drafting pass in one graph: the new context positions' fusion and keys/values
+    (``DFlashDrafter.context_kv``), the block's states (``draft_states``) attending to the old
+    context, the new one and itself, and each mask slot's best draft-vocabulary index — every
+    projection through its weight's panels, attention in fp32.
+
+    Returns the final normed block states (B, Q, H), the draft indices (B, Q − 1) and the new
+    positions' keys/values (B, layers, 2, kv_heads, N, d) for the drafter's cache."""
     b, q_len, h = block.shape
+    n_new = features.shape[1]
     longest = keys[0].shape[2]
     cos, sin = drafter.rotary(positions.reshape(-1), block.dtype)  # (B·Q, d)
-    hidden = torch.arange(longest)[None, :] >= lengths[:, None]  # (B, C) padding
-    ctx_bias = torch.zeros(b, longest).masked_fill(hidden, float("-inf"))
-    bias = torch.cat([ctx_bias, torch.zeros(b, q_len)], 1)[:, None, None, None]  # (B,1,1,1,L)
+    c = drafter.hidden_norm(_linear(drafter.fc, features.to(block.dtype)))  # (B, N, H)
+    c = c.reshape(b * n_new, h)
+    c_cos, c_sin = drafter.rotary(new_positions.reshape(-1), block.dtype)  # (B·N, d)
+    old_hidden = torch.arange(longest)[None, :] >= lengths[:, None]  # (B, C) padding
+    new_hidden = torch.arange(n_new)[None, :] >= new_lengths[:, None]  # (B, N) padding
+    hidden = torch.cat([old_hidden, new_hidden, torch.zeros(b, q_len, dtype=torch.bool)], 1)
+    bias = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))[:, None, None, None]
     x = block
+    new_kv = []
     for li, layer in enumerate(drafter.drafter_layers):
         a = layer.self_attn
         nh, kvh, d = a.heads, a.kv_heads, a.head_dim
         g = nh // kvh
+        # the new context: this layer's k/v projections only (no input norm, no MLP)
+        ck = apply_rope(a.k_norm(_linear(a.k_proj, c).view(b * n_new, kvh, d)), c_cos, c_sin)
+        ck = ck.view(b, n_new, kvh, d).transpose(1, 2)  # (B, kv, N, d)
+        cv = _linear(a.v_proj, c).view(b, n_new, kvh, d).transpose(1, 2)
+        new_kv.append(torch.stack([ck, cv], 1))  # (B, 2, kv, N, d)
         flat = layer.input_layernorm(x).reshape(b * q_len, h)  # (B·Q, H)
         q = apply_rope(a.q_norm(_linear(a.q_proj, flat).view(b * q_len, nh, d)), cos, sin)
         k = apply_rope(a.k_norm(_linear(a.k_proj, flat).view(b * q_len, kvh, d)), cos, sin)
         v = _linear(a.v_proj, flat).view(b * q_len, kvh, d)
-        k_all = torch.cat([keys[li], k.view(b, q_len, kvh, d).transpose(1, 2)], 2).float()
-        v_all = torch.cat([values[li], v.view(b, q_len, kvh, d).transpose(1, 2)], 2).float()
+        k_blk = k.view(b, q_len, kvh, d).transpose(1, 2)
+        v_blk = v.view(b, q_len, kvh, d).transpose(1, 2)
+        k_all = torch.cat([keys[li], ck, k_blk], 2).float()  # (B, kv, C + N + Q, d)
+        v_all = torch.cat([values[li], cv, v_blk], 2).float()
         qg = q.view(b, q_len, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q_len, d)
         scores = torch.matmul(qg.float(), k_all.transpose(-1, -2))  # (B, kv, g·Q, L)
         scores = scores.view(b, kvh, g, q_len, -1) * d**-0.5 + bias
@@ -80,7 +102,10 @@ def block_states(
         gu = gemv_kernel.panel_linear(layer.post_attention_layernorm(x), m.gate_up_packed.panels)
         gate, up = gu.chunk(2, dim=-1)
         x = x + _linear(m.down_proj, F.silu(gate) * up)
-    return drafter.norm(x)
+    states = drafter.norm(x)  # (B, Q, H)
+    logits = gemv_kernel.panel_linear(states[:, 1:], head)  # (B, Q − 1, V_d)
+    # argmax in fp32: exact widening, the same index as the eager pass (first of ties)
+    return states, logits.float().argmax(-1), torch.stack(new_kv, 1)
 
 
 def _linear(p: Projection, x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +118,8 @@ def in_panels(drafter: DFlashDrafter) -> bool:
     serving: ``prepare_inference``)."""
     for layer in drafter.drafter_layers:
         a, m = layer.self_attn, layer.mlp
-        packs = [p.packed for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.down_proj)]
+        projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.down_proj, drafter.fc)
+        packs = [p.packed for p in projections]
         for packed in [*packs, m.gate_up_packed]:
             if packed is None or packed.panels is None:
                 return False
@@ -107,14 +133,14 @@ def _layout(drafter: DFlashDrafter) -> tuple:
 
 
 class DraftGraph:
-    """Compiled drafter passes, one per drafter layout and process (``shared``), built in a
-    background thread: ``states`` returns None until the graph for this call is ready, for a
-    context of one position (its size would be specialised) and once a call failed."""
+    """Compiled drafter passes (``draft_pass``), one per drafter layout and process
+    (``shared``), built in a background thread: ``draft`` returns None until the graph for
+    this call is ready, where the draft head is not in panels, and once a call failed."""
 
     def __init__(self) -> None:
         # one compiled function for all layouts: Dynamo keeps a graph per layout and request
         # class (one request or several) under the function's code object, guards choosing
-        self._fn = torch.compile(block_states)
+        self._fn = torch.compile(draft_pass)
         self.ready: set[tuple] = set()  # (layout, several requests)
         self.failed: str | None = None
         self.compile_s: dict[str, float] = {}
@@ -140,12 +166,14 @@ class DraftGraph:
         ).start()
 
     def _build(self, drafter: DFlashDrafter, key: tuple) -> None:
+        head = _warm_head(drafter)
         with quick_gil_handoff():
             for several in (False, True):
                 t0 = time.perf_counter()
                 try:
-                    for ctx in WARM_CONTEXT:
-                        self._call(drafter, *_inputs(drafter, 2 if several else 1, ctx))
+                    for ctx, new in WARM_SIZES:
+                        inputs = _inputs(drafter, 2 if several else 1, ctx, new)
+                        self._call(drafter, head, *inputs)
                 except Exception as e:  # the eager pass keeps serving
                     self.failed = f"{type(e).__name__}: {e}"
                     log.warning("compiling the drafter pass failed; eager serves: %s", e)
@@ -158,29 +186,45 @@ class DraftGraph:
     def _call(
         self,
         drafter: DFlashDrafter,
+        head: torch.Tensor,
         block: torch.Tensor,
         positions: torch.Tensor,
         ctx: BatchedContext,
-    ) -> torch.Tensor:
+        new: NewContext,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with torch.inference_mode():
-            return self._fn(drafter, block, positions, ctx.keys, ctx.values, ctx.lengths)
+            return self._fn(
+                drafter,
+                head,
+                block,
+                positions,
+                ctx.keys,
+                ctx.values,
+                ctx.lengths,
+                new.features,
+                new.positions,
+                new.lengths,
+            )
 
-    def states(
+    def draft(
         self,
         drafter: DFlashDrafter,
+        head: torch.Tensor | None,  # the draft head's panels, None where it has none
         block: torch.Tensor,  # (B, Q, H)
         positions: torch.Tensor,  # (B, Q)
-        ctx: BatchedContext,
-    ) -> torch.Tensor | None:
-        """The block states (B, Q, H) through the compiled pass, or None: not ready for this
-        call (the caller runs the eager pass), or failed."""
+        ctx: BatchedContext,  # at least 2 positions (``min_length``)
+        new: NewContext,  # at least 2 rows
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``draft_pass`` through the compiled graph: states (B, Q, H), draft indices
+        (B, Q − 1), new keys/values (B, layers, 2, kv, N, d); or None: not ready for this call
+        (the caller runs the eager pass), or failed."""
         key = (_layout(drafter), block.shape[0] > 1)
-        if self.failed is not None or key not in self.ready or ctx.keys[0].shape[2] < 2:
+        if self.failed is not None or key not in self.ready or head is None:
             return None
         if not in_panels(drafter):
             return None
         try:
-            out = self._call(drafter, block, positions, ctx)
+            out = self._call(drafter, head, block, positions, ctx, new)
         except Exception as e:  # dropped for good: nothing was written, the eager pass serves
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("the compiled drafter pass failed; eager serves from now: %s", e)
@@ -189,33 +233,47 @@ class DraftGraph:
         return out
 
 
+def _warm_head(drafter: DFlashDrafter) -> torch.Tensor:
+    """Panels of a zero draft head as large as ``drafter``'s draft vocabulary (the head's rows
+    are the graph's input: any vocabulary size runs on it)."""
+    rows = torch.zeros(drafter.draft_vocab_size, drafter.cfg.hidden_size, dtype=drafter.dtype)
+    panels = gemv_kernel.pack_panels(rows)
+    assert panels is not None, "the drafter's weights are in panels, so is its head's shape"
+    torch._dynamo.mark_dynamic(panels, 0)
+    return panels
+
+
 def _inputs(
-    drafter: DFlashDrafter, requests: int, context: int
-) -> tuple[torch.Tensor, torch.Tensor, BatchedContext]:
-    """Zero inputs of a pass of ``requests`` over ``context`` positions, built as the engine
-    builds them (``BatchedContext.stack`` of per-request keys/values), with the dims that vary
-    marked dynamic: context length and, for several requests, their count."""
-    from adaflash.models.drafter import BatchedContext
+    drafter: DFlashDrafter, requests: int, context: int, new: int
+) -> tuple[torch.Tensor, torch.Tensor, BatchedContext, NewContext]:
+    """Zero inputs of a pass of ``requests`` over ``context`` projected and ``new`` new
+    positions, built as the engine builds them (``BatchedContext.stack``,
+    ``NewContext.stack``), with the dims that vary marked dynamic: both lengths and, for
+    several requests, their count."""
+    from adaflash.models.drafter import BatchedContext, NewContext
 
     c = drafter.cfg
     q, dt = c.block_size, drafter.dtype
-    with torch.inference_mode():
+    with torch.inference_mode():  # as the engine's: every input an inference tensor (guarded)
         kv = [torch.zeros(c.num_kv_heads, context, c.head_dim, dtype=dt) for _ in range(2)]
-    per_request = [
-        [(kv[0][:, : context - i], kv[1][:, : context - i])] * c.num_layers for i in range(requests)
-    ]
-    ctx = BatchedContext.stack(per_request)
-    with torch.inference_mode():  # as the engine's: the target's embeddings (a guard checks)
+        feats = torch.zeros(new, drafter.fc.in_features, dtype=dt)
+        per_request = [
+            [(kv[0][:, : context - i], kv[1][:, : context - i])] * c.num_layers
+            for i in range(requests)
+        ]
+        ctx = BatchedContext.stack(per_request)
+        fresh = NewContext.stack([(feats[: new - i], context - i) for i in range(requests)])
         block = torch.zeros(requests, q, c.hidden_size, dtype=dt)
-    positions = torch.arange(q)[None].expand(requests, -1) + context
+        positions = (torch.arange(q)[None].expand(requests, -1) + context).contiguous()
     for t in [*ctx.keys, *ctx.values]:
         torch._dynamo.mark_dynamic(t, 2)
-        if requests > 1:
-            torch._dynamo.mark_dynamic(t, 0)
+    for t in (fresh.features, fresh.positions):
+        torch._dynamo.mark_dynamic(t, 1)
     if requests > 1:
-        for t in (block, positions, ctx.lengths):
+        batched = [*ctx.keys, *ctx.values, ctx.lengths, block, positions]
+        for t in [*batched, fresh.features, fresh.positions, fresh.lengths]:
             torch._dynamo.mark_dynamic(t, 0)
-    return block, positions.contiguous(), ctx
+    return block, positions, ctx, fresh
 
 
 _shared: DraftGraph | None = None

@@ -52,10 +52,11 @@ class BatchedContext:
     lengths: torch.Tensor  # (B,)
 
     @classmethod
-    def stack(cls, per_request: list[list[KV]]) -> BatchedContext:
-        """Per request, per layer (kv_heads, C_b, d) → padded per layer."""
+    def stack(cls, per_request: list[list[KV]], min_length: int = 0) -> BatchedContext:
+        """Per request, per layer (kv_heads, C_b, d) → padded per layer, to at least
+        ``min_length`` positions (a compiled pass's dynamic size starts at 2)."""
         lengths = torch.tensor([kv[0][0].shape[1] for kv in per_request])
-        longest = int(lengths.max())
+        longest = max(int(lengths.max()), min_length)
         keys, values = [], []
         for li in range(len(per_request[0])):
             k0 = per_request[0][li][0]
@@ -75,6 +76,30 @@ class BatchedContext:
         ctx = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
         full = torch.cat([ctx, torch.zeros(len(self.lengths), block)], dim=1)  # (B, C + Q)
         return full[:, None, None, None, :].expand(-1, 1, 1, block, -1)
+
+
+@dataclass(frozen=True)
+class NewContext:
+    """The target features of B requests' positions not projected into their drafter context
+    yet, for one compiled drafter pass (``models/draft_graph.py``): padded to the most rows."""
+
+    features: torch.Tensor  # (B, N, K·H)
+    positions: torch.Tensor  # (B, N) absolute positions (padding rows repeat the last one)
+    lengths: torch.Tensor  # (B,) rows in use
+
+    @classmethod
+    def stack(cls, per_request: list[tuple[torch.Tensor, int]], min_rows: int = 2) -> NewContext:
+        """Per request (features (n_b, K·H), position of its first row) → padded, to at least
+        ``min_rows`` rows (a compiled pass's dynamic size starts at 2)."""
+        lengths = torch.tensor([f.shape[0] for f, _ in per_request])
+        rows = max(int(lengths.max()), min_rows)
+        first = per_request[0][0]
+        features = first.new_zeros(len(per_request), rows, first.shape[1])
+        positions = torch.zeros(len(per_request), rows, dtype=torch.long)
+        for b, (f, start) in enumerate(per_request):
+            features[b, : f.shape[0]] = f
+            positions[b] = start + torch.arange(rows).clamp(max=max(f.shape[0] - 1, 0))
+        return cls(features, positions, lengths)
 
 
 class DrafterAttention(nn.Module):
@@ -227,6 +252,12 @@ class DFlashDrafter(nn.Module):
             self._head = (key, head, None if self.training else pack(head, rows_scale=2))
         return self._head[1], self._head[2]
 
+    def head_panels(self, lm_head_weight: torch.Tensor) -> torch.Tensor | None:
+        """The draft head in the panels kernel's layout (``models/gemv.py``), where it has one
+        (a drafter packed for serving on a CPU that packs panels)."""
+        packed = self._draft_head(lm_head_weight)[1]
+        return None if packed is None else packed.panels
+
     def draft_logits(self, states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Block states (N, H) → logits over the draft vocabulary (N, V_d). A 2-D contiguous
         input keeps torch on one GEMM."""
@@ -259,6 +290,12 @@ class DFlashDrafter(nn.Module):
         c = self.fuse(features.to(self.dtype))  # (n, H)
         cos, sin = self.rotary(positions, c.dtype)
         return [layer.self_attn.project_kv(c, cos, sin) for layer in self.drafter_layers]
+
+    def context_layers(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``context_kv`` stacked: features (n, K·H), positions (n,) → every layer's keys and
+        values (layers, 2, kv_heads, n, d), as the drafter's cache lays them out."""
+        kv = self.context_kv(features, positions)
+        return torch.stack([torch.stack(pair) for pair in kv])
 
     def draft_states(
         self,

@@ -153,6 +153,13 @@ class KVCache:
         return self.data[row, layer, 0, :, :end], self.data[row, layer, 1, :, :end]
 
     @torch.inference_mode()
+    def write_layers(self, slot: int, kv: torch.Tensor) -> None:
+        """Append every layer's keys and values at once after the committed length of
+        ``slot`` (room made by ``reserve``): kv (layers, 2, kv_heads, n, d)."""
+        row, start = self.rows.row[slot], self._len[slot]
+        self.data[row, :, :, :, start : start + kv.shape[3]] = kv
+
+    @torch.inference_mode()
     def write_rows(
         self,
         layer: int,
