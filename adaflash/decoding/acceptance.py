@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adaflash.decoding.sampling import sample, target_probs
+from adaflash.decoding.sampling import sample_tokens
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,6 @@ def sampled_accept(
 ) -> Acceptance:
     """Lossless acceptance for T > 0 with a deterministic (argmax) drafter."""
     assert logits.shape[0] == len(drafts) + 1, "one target row per verified slot"
-    y = sample(target_probs(logits, temperature, top_k, top_p), generator).tolist()  # k̂ tokens
+    y = sample_tokens(logits, temperature, top_k, top_p, generator).tolist()  # k̂ tokens
     m = _accepted_prefix(y, drafts)
     return Acceptance(m, y[m])

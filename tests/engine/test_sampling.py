@@ -12,6 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from adaflash.config import EngineConfig, SamplingParams
+from adaflash.decoding import sampling
 from adaflash.decoding.sampling import target_probs
 from adaflash.engine.engine import Engine
 from adaflash.models.target import PackedBatch
@@ -81,17 +82,23 @@ def spec_samples(engine, temperature, top_k, top_p) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p", "drafter_kind", "policy"),
+    ("temperature", "top_k", "top_p", "drafter_kind", "policy", "candidates"),
     [
-        (1.0, 3, 1.0, "oracle", "fixed"),
-        (0.7, 4, 0.9, "oracle", "fixed"),
-        (1.0, 3, 1.0, "random", "fixed"),
-        (1.0, 3, 1.0, "oracle", "cost"),  # widths vary, k̂ = 0 (no draft) included
+        (1.0, 3, 1.0, "oracle", "fixed", None),
+        (0.7, 4, 0.9, "oracle", "fixed", None),
+        (1.0, 3, 1.0, "random", "fixed", None),
+        (1.0, 3, 1.0, "oracle", "cost", None),  # widths vary, k̂ = 0 (no draft) included
+        # the tiny vocabulary (96) is below the candidates sorted by default (256), so these
+        # take the candidates path of ``sample_tokens`` (its fallback for rows they miss)
+        (0.3, 0, 0.8, "oracle", "fixed", 8),
+        (1.0, 5, 0.8, "oracle", "cost", 8),
     ],
 )
 def test_speculative_sampling_matches_target_distribution(
-    tiny, temperature, top_k, top_p, drafter_kind, policy
+    tiny, temperature, top_k, top_p, drafter_kind, policy, candidates, monkeypatch
 ):
+    if candidates is not None:
+        monkeypatch.setattr(sampling, "CANDIDATES", candidates)
     _, target, _ = tiny
     cfg = EngineConfig(policy=policy, max_running_requests=256, max_batch_tokens=4096)
     drafter = random_drafter(target)

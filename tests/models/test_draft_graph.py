@@ -40,13 +40,18 @@ def inputs(d: DFlashDrafter, lengths: list[int], fresh: list[int], seed: int = 1
     before and ``fresh`` new ones; and the new positions' features, per request."""
     g = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
-        feats = [torch.randn(n + f, 2 * 64, generator=g).bfloat16() for n, f in zip(lengths, fresh)]
-        old = [d.context_kv(x[:n], torch.arange(n)) for x, n in zip(feats, lengths)]
-        new = [x[n:] for x, n in zip(feats, lengths)]
+        feats = [
+            torch.randn(n + f, 2 * 64, generator=g).bfloat16()
+            for n, f in zip(lengths, fresh, strict=True)
+        ]
+        old = [d.context_kv(x[:n], torch.arange(n)) for x, n in zip(feats, lengths, strict=True)]
+        new = [x[n:] for x, n in zip(feats, lengths, strict=True)]
         block = torch.randn(len(lengths), 4, 64, generator=g).bfloat16()
-        positions = torch.tensor([n + f for n, f in zip(lengths, fresh)])[:, None] + torch.arange(4)
+        positions = torch.tensor([n + f for n, f in zip(lengths, fresh, strict=True)])[
+            :, None
+        ] + torch.arange(4)
         ctx = BatchedContext.stack(old, min_length=2)
-        fresh_ctx = NewContext.stack([(x, n) for x, n in zip(new, lengths)])
+        fresh_ctx = NewContext.stack([(x, n) for x, n in zip(new, lengths, strict=True)])
     return block, positions, ctx, fresh_ctx, feats
 
 
@@ -83,7 +88,9 @@ def test_the_compiled_pass_computes_the_eager_pass(graph, lengths, fresh, no_rec
     # each draft is the best draft-vocabulary row, up to near-ties between the two orders
     picked = want_logits.float().gather(-1, index[..., None])[..., 0]
     assert torch.all(picked >= want_logits.float().amax(-1) - 0.1)
-    for b, (n, f) in enumerate(zip(lengths, fresh)):  # the new positions' keys and values
+    for b, (n, f) in enumerate(
+        zip(lengths, fresh, strict=True)
+    ):  # the new positions' keys and values
         with torch.inference_mode():
             want = d.context_layers(feats[b][n:], torch.arange(n, n + f))
         assert torch.allclose(new_kv[b, :, :, :, :f].float(), want.float(), atol=0.05, rtol=0.05)
