@@ -70,32 +70,35 @@ def draft_pass(
     old_hidden = torch.arange(longest)[None, :] >= lengths[:, None]  # (B, C) padding
     new_hidden = torch.arange(n_new)[None, :] >= new_lengths[:, None]  # (B, N) padding
     hidden = torch.cat([old_hidden, new_hidden, torch.zeros(b, q_len, dtype=torch.bool)], 1)
-    bias = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))[:, None, None, None]
+    bias = torch.zeros(hidden.shape, dtype=block.dtype).masked_fill(hidden, float("-inf"))
+    bias = bias[:, None, None]  # (B, 1, 1, L): every query of a request sees the same keys
+    both_cos, both_sin = torch.cat([c_cos, cos]), torch.cat([c_sin, sin])  # (B·N + B·Q, d)
     x = block
     new_kv = []
     for li, layer in enumerate(drafter.drafter_layers):
         a = layer.self_attn
         nh, kvh, d = a.heads, a.kv_heads, a.head_dim
-        g = nh // kvh
-        # the new context: this layer's k/v projections only (no input norm, no MLP)
-        ck = apply_rope(a.k_norm(_linear(a.k_proj, c).view(b * n_new, kvh, d)), c_cos, c_sin)
-        ck = ck.view(b, n_new, kvh, d).transpose(1, 2)  # (B, kv, N, d)
-        cv = _linear(a.v_proj, c).view(b, n_new, kvh, d).transpose(1, 2)
+        assert a.qkv_panels is not None
+        # the new context (no input norm, no MLP: its k/v alone are used) and the block's
+        # normed states through one q|k|v projection
+        rows = torch.cat([c, layer.input_layernorm(x).reshape(b * q_len, h)])  # (B·N + B·Q, H)
+        qkv = gemv_kernel.panel_linear(rows, a.qkv_panels)  # (B·N + B·Q, (heads + 2 kv)·d)
+        q = qkv[b * n_new :, : nh * d].reshape(b * q_len, nh, d)
+        k = qkv[:, nh * d : (nh + kvh) * d].reshape(-1, kvh, d)
+        v = qkv[:, (nh + kvh) * d :].reshape(-1, kvh, d)
+        q = apply_rope(a.q_norm(q), cos, sin)
+        k = apply_rope(a.k_norm(k), both_cos, both_sin)
+        ck = k[: b * n_new].view(b, n_new, kvh, d).transpose(1, 2)  # (B, kv, N, d)
+        cv = v[: b * n_new].view(b, n_new, kvh, d).transpose(1, 2)
         new_kv.append(torch.stack([ck, cv], 1))  # (B, 2, kv, N, d)
-        flat = layer.input_layernorm(x).reshape(b * q_len, h)  # (B·Q, H)
-        q = apply_rope(a.q_norm(_linear(a.q_proj, flat).view(b * q_len, nh, d)), cos, sin)
-        k = apply_rope(a.k_norm(_linear(a.k_proj, flat).view(b * q_len, kvh, d)), cos, sin)
-        v = _linear(a.v_proj, flat).view(b * q_len, kvh, d)
-        k_blk = k.view(b, q_len, kvh, d).transpose(1, 2)
-        v_blk = v.view(b, q_len, kvh, d).transpose(1, 2)
-        k_all = torch.cat([keys[li], ck, k_blk], 2).float()  # (B, kv, C + N + Q, d)
-        v_all = torch.cat([values[li], cv, v_blk], 2).float()
-        qg = q.view(b, q_len, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q_len, d)
-        scores = torch.matmul(qg.float(), k_all.transpose(-1, -2))  # (B, kv, g·Q, L)
-        scores = scores.view(b, kvh, g, q_len, -1) * d**-0.5 + bias
-        probs = torch.softmax(scores, dim=-1).view(b, kvh, g * q_len, -1)
-        out = torch.matmul(probs, v_all).view(b, kvh, g, q_len, d)  # (B, kv, g, Q, d)
-        out = out.permute(0, 3, 1, 2, 4).reshape(b, q_len, nh * d).to(x.dtype)
+        k_blk = k[b * n_new :].view(b, q_len, kvh, d).transpose(1, 2)  # (B, kv, Q, d)
+        v_blk = v[b * n_new :].view(b, q_len, kvh, d).transpose(1, 2)
+        k_all = torch.cat([keys[li], ck, k_blk], 2)  # (B, kv, C + N + Q, d)
+        v_all = torch.cat([values[li], cv, v_blk], 2)
+        q_all = q.view(b, q_len, nh, d).transpose(1, 2)  # (B, heads, Q, d)
+        # one fused attention (fp32 inside); each kv head serves its g query heads
+        out = F.scaled_dot_product_attention(q_all, k_all, v_all, attn_mask=bias, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(b, q_len, nh * d)  # (B, Q, heads·d)
         x = x + _linear(a.o_proj, out)
         m = layer.mlp
         assert m.gate_up_packed is not None and m.gate_up_packed.panels is not None
@@ -118,11 +121,12 @@ def in_panels(drafter: DFlashDrafter) -> bool:
     serving: ``prepare_inference``)."""
     for layer in drafter.drafter_layers:
         a, m = layer.self_attn, layer.mlp
-        projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.down_proj, drafter.fc)
-        packs = [p.packed for p in projections]
+        packs = [p.packed for p in (a.o_proj, m.down_proj, drafter.fc)]
         for packed in [*packs, m.gate_up_packed]:
             if packed is None or packed.panels is None:
                 return False
+        if a.qkv_panels is None:
+            return False
     return True
 
 

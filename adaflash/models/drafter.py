@@ -22,6 +22,7 @@ from torch import nn
 
 from adaflash.config import DrafterConfig
 from adaflash.models import draft_vocab as dv
+from adaflash.models import gemv
 from adaflash.models.batch_attention import gqa_attend
 from adaflash.models.checkpoint import load_tensors, resolve_dtype, save_tensors
 from adaflash.models.layers import (
@@ -113,6 +114,8 @@ class DrafterAttention(nn.Module):
         self.o_proj = Projection(cfg.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # q|k|v in one weight in the panels kernel's layout, for the compiled pass (serving)
+        self.qkv_panels: torch.Tensor | None = None
 
     def project_kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> KV:
         """h (n, H) → keys, values (kv_heads, n, d) at the positions of cos/sin."""
@@ -327,8 +330,11 @@ class DFlashDrafter(nn.Module):
         same weight: versions of one drafter share it instead of each packing its own."""
         for layer in self.drafter_layers:
             layer.mlp.fuse()
+            a = layer.self_attn
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(layer.self_attn, proj).pack_weight()
+                getattr(a, proj).pack_weight()
+            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
+            a.qkv_panels = gemv.pack_panels(qkv) if a.q_proj.packed is not None else None
         self.fc.pack_weight()
         self._head = None  # the draft head gets packed with the new dtype
         if lm_head_weight is None:

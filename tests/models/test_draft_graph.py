@@ -113,7 +113,7 @@ def test_where_it_does_not_serve_the_caller_gets_none_and_runs_eager(graph):
     block, positions, ctx, fresh, _ = inputs(d, [8], [1])
     assert graph.draft(d, None, block, positions, ctx, fresh) is None  # no head in panels
     plain = copy.deepcopy(d)
-    plain.layers[0].self_attn.q_proj.packed = None  # a weight not in panels
+    plain.layers[0].self_attn.qkv_panels = None  # a weight not in panels
     assert not in_panels(plain)
     assert graph.draft(plain, d.head_panels(LM_HEAD), block, positions, ctx, fresh) is None
     assert DraftGraph().draft(d, d.head_panels(LM_HEAD), block, positions, ctx, fresh) is None
