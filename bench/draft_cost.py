@@ -26,7 +26,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -60,16 +60,24 @@ class Arm:
 
 
 def variant(shipped: DFlashDrafter, name: str) -> tuple[DFlashDrafter, bool]:
-    """(drafter, compiled pass) of a variant: ``shipped``, ``eager``, ``vocabN``."""
+    """(drafter, compiled pass) of a variant: ``shipped``, ``eager``, or ``+``-joined changes
+    of the shipped weights: ``vocabN`` (its N most frequent draft ids) and ``layersN`` (its
+    first N layers: what such a pass costs; its τ is not a trained N-layer drafter's)."""
     if name in ("shipped", "eager"):
         return shipped, name == "shipped"
-    if name.startswith("vocab"):
-        size = int(name.removeprefix("vocab"))
-        assert shipped.draft_vocab is not None and size <= shipped.draft_vocab.numel()
-        d = copy.deepcopy(shipped)
-        d.set_draft_vocab(shipped.draft_vocab[:size], {"truncated_from": shipped.draft_vocab_size})
-        return d, True
-    raise ValueError(f"unknown variant {name!r}: shipped, eager or vocabN")
+    d = copy.deepcopy(shipped)
+    for change in name.split("+"):
+        if change.startswith("vocab"):
+            size = int(change.removeprefix("vocab"))
+            assert shipped.draft_vocab is not None and size <= shipped.draft_vocab.numel()
+            d.set_draft_vocab(shipped.draft_vocab[:size], {"truncated_from": d.draft_vocab_size})
+        elif change.startswith("layers"):
+            n = int(change.removeprefix("layers"))
+            d.layers = d.layers[:n]
+            d.cfg = replace(d.cfg, num_layers=n)
+        else:
+            raise ValueError(f"unknown variant {name!r}: shipped, eager, vocabN, layersN")
+    return d, True
 
 
 def make_engine(
