@@ -339,6 +339,9 @@ class SamplingDefaults:
         return out
 
 
+SUFFIX_SCOPES = ("global", "request", "off")  # ``EngineConfig.suffix``
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Scheduling and verification settings of the serving engine (SPEC §5)."""
@@ -355,6 +358,10 @@ class EngineConfig:
     # single-request steps through compiled graphs (models/decode_graph.py), compiled in the
     # background; ADAFLASH_COMPILE=0 switches it off whatever this says
     compile: bool = False
+    # suffix drafts (engine/suffix.py), which the ``cost`` policy weighs beside the drafter's:
+    # "global" (a request's own tokens and recently served sequences), "request" (its own
+    # alone: no request's speed depends on another's text), "off"
+    suffix: str = "global"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -369,6 +376,8 @@ class EngineConfig:
             raise ValueError("max_prefill_tokens must be ≥ 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.suffix not in SUFFIX_SCOPES:
+            raise ValueError(f"suffix must be one of {SUFFIX_SCOPES}, got {self.suffix!r}")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from adaflash import cli as core
-from adaflash.config import DEFAULT_BLOCK_SIZE, POLICIES, DistillConfig
+from adaflash.config import DEFAULT_BLOCK_SIZE, POLICIES, SUFFIX_SCOPES, DistillConfig
 from adaflash.models.target import load_target
 from adaflash.paths import write_text_atomic
 from adaflash.tokenizer import Tokenizer
@@ -412,6 +412,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         weights_dir=args.weights_dir,
         policy=args.policy,
         gamma=args.gamma,
+        suffix=args.suffix,
         dtype=args.dtype,
         max_temperature=args.max_temperature,
         max_new_tokens=args.max_new_tokens,
@@ -493,6 +494,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights-dir", default=None)
     p.add_argument("--policy", choices=POLICIES, default=None)
     p.add_argument("--gamma", type=float, default=None)
+    p.add_argument(
+        "--suffix",
+        choices=SUFFIX_SCOPES,
+        default=None,
+        help="suffix drafts from a request's own tokens and recently served ones (global, the "
+        "default), its own alone (request: no request's speed depends on another's text), or off",
+    )
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     p.add_argument("--max-temperature", type=float, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None, help="per-request ceiling")

@@ -28,6 +28,7 @@ from adaflash.cli import resolve_drafter
 from adaflash.config import (
     DEFAULT_BLOCK_SIZE,
     POLICIES,
+    SUFFIX_SCOPES,
     EngineConfig,
     Policy,
     SamplingDefaults,
@@ -69,6 +70,7 @@ class ServeConfig:
     weights_dir: str | None = None  # default: <data dir>/weights
     policy: Policy = "cost"
     gamma: float = 1.0
+    suffix: str = "global"  # what suffix drafts come from (``EngineConfig.suffix``)
     dtype: str = "bfloat16"
     max_temperature: float = 2.0
     max_new_tokens: int | None = None  # per-request ceiling; None = the context window
@@ -89,6 +91,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.suffix not in SUFFIX_SCOPES:
+            raise ValueError(f"suffix must be one of {SUFFIX_SCOPES}, got {self.suffix!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be 1…65535, got {self.port}")
         if self.max_temperature < 0 or self.gamma <= 0:
@@ -203,6 +207,7 @@ class Service:
             EngineConfig(
                 policy=self.cfg.policy if drafter is not None else "ar",
                 gamma=self.cfg.gamma,
+                suffix=self.cfg.suffix,
                 dtype=self.cfg.dtype,
                 max_running_requests=self.cfg.max_running_requests,
                 max_batch_tokens=max(self.cfg.max_batch_tokens, DEFAULT_BLOCK_SIZE),

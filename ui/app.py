@@ -18,13 +18,15 @@ from ui import charts
 WINDOWS = {"5 min": 300, "15 min": 900, "60 min": 3600}
 STYLE = {
     "draft": "background:#c8e6c9;border-radius:3px",
+    "suffix": "background:#bbdefb;border-radius:3px",
     "target": "background:#ffe0b2;border-radius:3px",
     "unknown": "background:#eeeeee;border-radius:3px",  # the SGLang backend does not say
 }
 
 
 def provenance_html(pieces: list[tuple[str, str]]) -> str:
-    """Tokens coloured by how they were produced: accepted draft (green) or target (orange)."""
+    """Tokens coloured by how they were produced: the drafter's accepted draft (green), an
+    accepted suffix draft (blue) or the target's own (orange)."""
     spans = "".join(
         f'<span class="tok-{kind}" style="{STYLE.get(kind, STYLE["unknown"])}">'
         f"{html.escape(text)}</span>"
@@ -33,10 +35,11 @@ def provenance_html(pieces: list[tuple[str, str]]) -> str:
     legend = (
         '<div style="font-size:12px;margin-bottom:6px">'
         f'<span style="{STYLE["draft"]}">&nbsp;accepted draft token&nbsp;</span> '
+        f'<span style="{STYLE["suffix"]}">&nbsp;accepted suffix draft&nbsp;</span> '
         f'<span style="{STYLE["target"]}">&nbsp;target token (bonus / plain)&nbsp;</span>'
         + (
             f' <span style="{STYLE["unknown"]}">&nbsp;not reported by the backend&nbsp;</span>'
-            if any(kind not in ("draft", "target") for _, kind in pieces)
+            if any(kind not in ("draft", "suffix", "target") for _, kind in pieces)
             else ""
         )
         + "</div>"

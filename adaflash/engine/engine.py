@@ -44,6 +44,8 @@ from adaflash.engine.request import (
 )
 from adaflash.engine.round import Drafting, Propose, RoundResult, Verified, speculative_round
 from adaflash.engine.scheduler import Admission, Scheduler
+from adaflash.engine.suffix import GlobalSuffixes, Proposal, SuffixConfig, SuffixIndex, best
+from adaflash.engine.suffix import shadow_progress as suffix_shadow_progress
 from adaflash.metrics import SpecCounters
 from adaflash.models import draft_graph
 from adaflash.models.decode_graph import batch_sizes, compile_enabled
@@ -162,7 +164,13 @@ class Engine:
         self.gamma: float = cfg.gamma
         self.cost = CostModel()
         self.counters = SpecCounters(self.block_size)
+        # the same, per source of the drafts: the drafter's ("dflash") and suffix drafts
+        self.source_counters = {s: SpecCounters(self.block_size) for s in ("dflash", "suffix")}
         self.stats = EngineStats()
+        # suffix drafts (``engine/suffix.py``): the n-grams a request drafts from, and the
+        # recently served sequences where ``cfg.suffix`` is "global"
+        self.suffix_cfg = SuffixConfig(max_draft=self.block_size - 1)
+        self.history = GlobalSuffixes(self.suffix_cfg) if cfg.suffix == "global" else None
         # each answered probe: (unix time, slots compared, accepted), the newest PROBE_LOG —
         # what the drafter would have given had it been verified (the dashboard's drafter τ)
         self.probe_log: deque[tuple[float, int, int]] = deque(maxlen=PROBE_LOG)
@@ -296,6 +304,7 @@ class Engine:
             sum(p.n for p in prefills),
             max((p.n for p in prefills), default=0),
             waiting=len(self.scheduler.waiting),
+            proposals=self._suffix_proposals(chosen),
         )
         res = speculative_round(
             self.target,
@@ -344,6 +353,39 @@ class Engine:
         self.stats.verify_s += res.verify_ms / 1e3
         self.scheduler.rotate([v.plan.req for v in res.verified])  # round-robin
         return True
+
+    def _suffix_proposals(self, reqs: list[Request]) -> dict[int, Proposal]:
+        """This step's suffix drafts of ``reqs`` (where the policy weighs them): the longer
+        match of a request's own tokens and the served history. Each becomes the request's
+        suffix shadow, which the tokens it commits next decide (``_observe_suffix``)."""
+        if self.cfg.suffix == "off" or not self._policy.uses_suffix or self.drafting is None:
+            return {}
+        out = {}
+        for r in reqs:
+            if not r.prefill_done or r.tokens_left < 2 or not r.output_ids:
+                continue
+            if r.suffix is None:
+                r.suffix = SuffixIndex(self.suffix_cfg, r.prompt_ids + r.output_ids)
+            limit = min(self.suffix_cfg.max_draft, r.tokens_left - 1)
+            own = r.suffix.propose(limit)
+            other = None if self.history is None else self.history.propose(r.suffix.tokens, limit)
+            found = best(own, other)
+            r.suffix_shadow = None
+            if found is not None:
+                out[id(r)] = found
+                r.suffix_shadow = (len(r.output_ids), found.tokens, found.match, 0)
+        return out
+
+    def _observe_suffix(self, r: Request) -> None:
+        """The slots of ``r``'s suffix shadow that its committed tokens decided since."""
+        if r.suffix_shadow is None:
+            return
+        start, drafts, match, counted = r.suffix_shadow
+        decided, right = suffix_shadow_progress(r.output_ids, start, drafts)
+        if decided > counted:
+            self._policy.observe_suffix(match, counted, decided, right)
+        done = right < decided or decided == len(drafts) or r.finished
+        r.suffix_shadow = None if done else (start, drafts, match, decided)
 
     def _check_prediction(self, res: RoundResult, *, chunk: bool) -> None:
         """The policy's plan for this step against what it took and committed (``chunk``: a
@@ -410,11 +452,14 @@ class Engine:
         r.verified += plan.verify_len - 1
         r.draft_ms += res.draft_ms if plan.drafted else 0.0
         r.verify_ms += res.verify_ms
-        self._policy.observe(r, plan.verify_len, v.accepted, self.block_size)
+        if plan.source == "dflash":  # suffix rounds teach the suffix profile (their shadow)
+            self._policy.observe(r, plan.verify_len, v.accepted, self.block_size)
         emitted = self._guarded(r, lambda: self._emit(r, v.tokens, v.kinds)) or 0
         if r.shadow is not None:
             self._answer_probe(r)
         self.counters.add_round(plan.verify_len, v.accepted, plan.drafted)
+        if plan.verify_len > 1:
+            self.source_counters[plan.source].add_round(plan.verify_len, v.accepted, plan.drafted)
         self.sink.offer(
             RoundRecord(
                 request_id=r.id,
@@ -488,8 +533,11 @@ class Engine:
         )
         out_ids, out_kinds = tokens[:n], kinds[:n]
         r.output_ids.extend(out_ids)
+        if r.suffix is not None:
+            r.suffix.extend(out_ids)
         if reason is not None:
             r.finish_reason = reason
+        self._observe_suffix(r)
         if stop_text is not None:
             r.stop_text = stop_text
         self.stats.output_tokens += len(out_ids)
@@ -500,6 +548,8 @@ class Engine:
         return len(out_ids)
 
     def _finish(self, r: Request) -> None:
+        if self.history is not None and r.output_ids and r.finish_reason != "error":
+            self.history.add(r.prompt_ids + r.output_ids)
         self.cache.free(r.slot)
         if self.drafting is not None:
             self.drafting.cache.free(r.draft_slot)

@@ -88,6 +88,7 @@ import torch
 
 from adaflash.cost_model import CostModel
 from adaflash.engine.request import Request
+from adaflash.engine.suffix import Proposal, SuffixProfile
 from adaflash.models.length_head import verify_len
 
 
@@ -105,6 +106,8 @@ class PolicyContext:
     # context positions a request would bring to the drafter pass (committed since it last
     # drafted: the longer it did not draft, the more its first draft costs); set by the round
     pending: Callable[[Request], int] = field(default=lambda r: 0)
+    # this step's suffix drafts, by id(request) (``engine/suffix.py``; set by the engine)
+    proposals: dict[int, Proposal] = field(default_factory=dict)
 
 
 class Policy:
@@ -112,6 +115,7 @@ class Policy:
 
     name = "fixed"
     uses_head = False
+    uses_suffix = False  # weighs suffix proposals (``suffix_widths``)
     predicted_s: float | None = None  # this step's time as planned, where a policy plans it
     untimed: bool = False  # … on a compiled pass never timed (``CostModel.untimed``)
     expected_tokens: float | None = None  # … and the tokens it expects the step to commit
@@ -119,9 +123,15 @@ class Policy:
     # a plan in which every request drafts with nobody queued: its least request's expected
     # drafts (what the plan counted for the whole batch); None for any other step
     whole_least: float | None = None
+    # this step's suffix drafts taken: id(request) → k̂ (``drafters`` sets them; the ``cost``
+    # policy alone weighs suffix proposals)
+    suffix_widths: dict[int, int] = {}  # noqa: RUF012 (never mutated: replaced per step)
 
     def drafters(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
         return ready
+
+    def observe_suffix(self, match: int, first: int, compared: int, accepted: int) -> None:
+        """Slots of a suffix proposal decided by the committed tokens (``SuffixProfile``)."""
 
     def widths(
         self, spec: list[Request], a_hat: torch.Tensor | None, ctx: PolicyContext
@@ -247,6 +257,7 @@ def profile(r: Request, block_size: int) -> tuple[list[float], list[float]]:
 
 class CostPolicy(Policy):
     name = "cost"
+    uses_suffix = True
 
     def __init__(self, block_size: int, probe_every: int = 16) -> None:
         self.block_size, self.probe_every = block_size, probe_every
@@ -258,6 +269,9 @@ class CostPolicy(Policy):
         self.whole_least: float | None = None
         # what the last plain step that won was decided from, and the steps it still stands
         self.standing: tuple[tuple[int, int, int, int], int] | None = None
+        # what suffix drafts are worth (kept across drafter versions: they are not the drafter's)
+        self.suffix = SuffixProfile(block_size - 1)
+        self.suffix_expected = 0.0  # this step's suffix drafters' expected tokens
         self.reset()
 
     def reset(self) -> None:
@@ -377,16 +391,18 @@ class CostPolicy(Policy):
         ranked: list[tuple[float, int, int]] | None = None,
         target_s: dict[tuple[int, tuple[int, int] | None], float] | None = None,
         charge: dict[int, float] | None = None,
+        free: bool = False,
     ) -> tuple[float, dict[int, int]]:
         """Best expected rate (tokens/s) and widths when ``reqs`` draft (``plain`` others
         take a plain step): greedy slots by survival (0 and widths of 1: no slot worth one).
         ``ranked`` (every candidate slot of a superset of ``reqs``, by survival), ``target_s``
         (pass seconds by token count and the compiled graph that runs it, this step's request
         count) and ``charge`` (each request's ``charged`` context) let ``drafters`` plan many
-        subsets for the price of one sort."""
+        subsets for the price of one sort. ``free``: drafts that need no drafter pass (suffix
+        proposals, ``survival`` theirs)."""
         k = ctx.block_size
         surv = survival or {id(r): self.survival(r, k) for r in reqs}
-        if charge is None:
+        if charge is None and not free:
             charge = {id(r): charged(r, ctx, sum(surv[id(r)])) for r in reqs}
         if ranked is None:
             ranked = rank_slots(reqs, surv)
@@ -413,7 +429,11 @@ class CostPolicy(Policy):
                 memo[key] = ctx.cost.target_s(n, n_req, widest)
             return memo[key]
 
-        fixed = ctx.cost.drafter_s(len(reqs), sum(charge[id(r)] for r in reqs))
+        fixed = (
+            0.0
+            if charge is None
+            else ctx.cost.drafter_s(len(reqs), sum(charge[id(r)] for r in reqs))
+        )
         # what drafting steps committed and took against their plans, lately
         value = ctx.cost.drafting_value
         best_rate, best_taken = value * worth / (fixed + pass_s(n_tok)), 0
@@ -449,6 +469,14 @@ class CostPolicy(Policy):
         self.predicted_s = self.expected_tokens = None  # prefills only: nothing planned
         self.whole_least, self.untimed = None, False
         self.probes = []
+        self.suffix_widths, self.suffix_expected = {}, 0.0
+        ready = self.suffix_stage(ready, ctx)
+        if not ready and self.suffix_widths:  # every ready request drafts from its suffix
+            n_req, n_tok, widest = len(self.suffix_widths), ctx.other_tokens, ctx.other_widest
+            self.predicted_s = ctx.cost.target_s(n_tok, n_req, widest)
+            self.untimed = ctx.cost.untimed(n_tok, n_req, widest)
+            self.expected_tokens = self.suffix_expected
+            return []
         if not ready:
             return []
         plain_s = ctx.cost.target_s(len(ready) + ctx.other_tokens, len(ready))
@@ -478,6 +506,33 @@ class CostPolicy(Policy):
             self.predicted_s = plain_s + self.draft_s
             self.expected_tokens = float(ctx.requests or len(ready))  # one token each
         return chosen
+
+    def suffix_stage(self, ready: list[Request], ctx: PolicyContext) -> list[Request]:
+        """Which ready requests draft from their suffix proposal this step (``suffix_widths``),
+        and how wide: the plan that maximises expected tokens/s with their proposals' survival
+        (``SuffixProfile``, by match length) and no drafter pass to pay. Their verification
+        tokens join the pass the drafter's plans are priced in (``ctx.other_tokens``); the
+        others are returned, for the drafter."""
+        cands = [r for r in ready if id(r) in ctx.proposals]
+        if not cands:
+            return ready
+        surv = {}
+        for r in cands:
+            p = ctx.proposals[id(r)]
+            surv[id(r)] = self.suffix.survival(p.match, len(p.tokens))
+        self.freed = freed_value(len(ready), ctx)
+        rate, widths = self.plan(cands, ctx, len(ready) - len(cands), surv, free=True)
+        taken = {rid: w for rid, w in widths.items() if w > 1} if rate > 0 else {}
+        if not taken:
+            return ready
+        self.suffix_widths = taken
+        self.suffix_expected = sum(1 + sum(surv[rid][: w - 1]) for rid, w in taken.items())
+        ctx.other_tokens += sum(taken.values())
+        ctx.other_widest = max(ctx.other_widest, *taken.values())
+        return [r for r in ready if id(r) not in taken]
+
+    def observe_suffix(self, match: int, first: int, compared: int, accepted: int) -> None:
+        self.suffix.observe(match, first, compared, accepted)
 
     def choose(
         self, ready: list[Request], ctx: PolicyContext, plain_s: float
@@ -610,7 +665,7 @@ class CostPolicy(Policy):
         widest = max([*chosen, max(1, ctx.other_widest)])
         self.predicted_s = self.draft_s + ctx.cost.target_s(n_tok, n_req, widest)
         self.untimed = ctx.cost.untimed(n_tok, n_req, widest)
-        self.expected_tokens = ctx.plain_requests + len(spec) + sum(drafts)
+        self.expected_tokens = ctx.plain_requests + len(spec) + sum(drafts) + self.suffix_expected
         return torch.tensor(chosen)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from adaflash.config import SamplingParams
 from adaflash.engine.records import RequestRecord
+from adaflash.engine.suffix import SuffixIndex
 from adaflash.models.kv_cache import Rows
 
 ONE_COPY_MIN = 6  # FeatureStore: one step's rows of fewer slots are written one slot at a time
@@ -191,6 +192,11 @@ class Request:
     # the cost policy's survival for it, as of one state of that policy's profiles:
     # (that state's number, the survival per slot, its Σ); see CostPolicy.survival
     survival: tuple[int, list[float], float] | None = None
+    # suffix drafting (``engine/suffix.py``): the request's own n-gram index, and its latest
+    # proposal awaiting the tokens that decide it: (index in output_ids of the token its first
+    # draft stands for, the drafts, their match length, slots already counted)
+    suffix: SuffixIndex | None = None
+    suffix_shadow: tuple[int, tuple[int, ...], int, int] | None = None
     draft_ms: float = 0.0  # time of the drafter passes it was in (shared with its batch)
     verify_ms: float = 0.0  # time of the target passes that verified it
     drafter_version: str = ""

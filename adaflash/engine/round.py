@@ -65,6 +65,7 @@ class Plan:
     a_hat: float | None = None
     context: int = 0  # context positions its draft projected first (catch-up since last draft)
     shadow: bool = False  # a probe: in the drafter pass, its block kept in ``Request.shadow``
+    source: str = "dflash"  # what drafted it: the drafter, or "suffix" (``engine/suffix.py``)
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Verified:
     plan: Plan
     accepted: int  # drafts accepted
     tokens: list[int]  # accepted drafts + the target's bonus token
-    kinds: list[str]  # per token: "draft" or "target"
+    kinds: list[str]  # per token: "draft" (the drafter's), "suffix" or "target"
 
 
 @dataclass
@@ -109,7 +110,7 @@ def speculative_round(
     # 1–3. draft_block, verify_len, drafts: one drafter pass for the requests the policy lets
     # draft (none: no drafter pass at all)
     plans, res.draft_failed = draft(target, drafting, chosen, policy, ctx)
-    res.drafted = sum(1 for p in plans if p.drafted or p.shadow)
+    res.drafted = sum(1 for p in plans if (p.drafted or p.shadow) and p.source == "dflash")
     res.draft_context = sum(p.context for p in plans)
     t1 = time.perf_counter()
     # 4. admission: Σ k̂ under the verification budget; the rest wait for the next step
@@ -178,9 +179,16 @@ def draft(
     if drafting is not None:
         ctx.pending = lambda r: pending_context(drafting, r)
     ctx.requests = len(reqs)
+    # the policy weighs suffix drafts (``ctx.proposals``) beside the drafter's: those it takes
+    # verify their proposal and stay out of the drafter pass
     spec = policy.drafters([r for r in reqs if can_draft(r, drafting)], ctx)
     probes = list(policy.probes)
-    ctx.plain_requests = len(reqs) - len(spec)
+    for r in reqs:
+        w = policy.suffix_widths.get(id(r), 1)
+        if w > 1:
+            drafts = list(ctx.proposals[id(r)].tokens[: w - 1])
+            plans[id(r)] = Plan(r, w, drafts, len(drafts), source="suffix")
+    ctx.plain_requests = len(reqs) - len(spec) - len(policy.suffix_widths)
     failed = False
     if (spec or probes) and drafting is not None:
         try:
@@ -438,7 +446,8 @@ def accept_and_commit(
     # 7. commit: keep anchor + accepted drafts in the KV cache (their features: ``keep_features``)
     cache.truncate(r.slot, r.anchor_pos + acc.accepted + 1)
     tokens = [*plan.drafts[: acc.accepted], acc.bonus_token]
-    return Verified(plan, acc.accepted, tokens, ["draft"] * acc.accepted + ["target"])
+    kind = "suffix" if plan.source == "suffix" else "draft"
+    return Verified(plan, acc.accepted, tokens, [kind] * acc.accepted + ["target"])
 
 
 def commit_prefill(pre: Prefill, out: TargetOutput, row: tuple[int, int, int]) -> int | None:

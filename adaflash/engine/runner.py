@@ -129,6 +129,10 @@ class EngineRunner:
         return self.engine.counters
 
     @property
+    def source_counters(self) -> dict[str, SpecCounters]:
+        return self.engine.source_counters
+
+    @property
     def stats(self) -> EngineStats:
         return self.engine.stats
 

@@ -35,6 +35,15 @@ class EngineCollector:
             for i, v in enumerate(values, start=1):
                 fam.add_metric([str(i)], v)
             yield fam
+        for name, doc, field in (
+            ("source_rounds", "rounds that verified drafts, by their source", "rounds"),
+            ("source_verified_draft_tokens", "draft tokens verified, by source", "verified"),
+            ("source_accepted_draft_tokens", "draft tokens accepted, by source", "accepted"),
+        ):
+            fam = CounterMetricFamily(f"adaflash_{name}", doc, labels=["source"])
+            for source, sc in b.source_counters.items():
+                fam.add_metric([source], getattr(sc, field))
+            yield fam
         yield counter("output_tokens", "tokens streamed to clients", st.output_tokens)
         yield counter("prompt_tokens", "prompt tokens prefilled", st.prompt_tokens)
         yield counter("requests", "requests finished (any reason)", st.requests_finished)

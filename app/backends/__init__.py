@@ -38,6 +38,12 @@ class Backend(Protocol):
     def counters(self) -> SpecCounters: ...
 
     @property
+    def source_counters(self) -> dict[str, SpecCounters]:
+        """The rounds that verified drafts, per source of the drafts ("dflash", "suffix");
+        empty where the backend does not say."""
+        ...
+
+    @property
     def stats(self) -> EngineStats: ...
 
     @property

@@ -173,6 +173,7 @@ class SGLangBackend:
         self.swap_timeout_s, self.flush_retries = swap_timeout_s, flush_retries
         self.chunk_timeout_s = chunk_timeout_s  # no chunk for this long: SGLang is gone
         self.counters = SpecCounters(self.block_size)
+        self.source_counters: dict[str, SpecCounters] = {}  # SGLang does not say
         self.stats = EngineStats()
         self.running: dict[str, _Flight] = {}
         self.step_errors = 0
