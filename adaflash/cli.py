@@ -250,8 +250,13 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 def cmd_drafter_data(args: argparse.Namespace) -> int:
     """Shards of self-written prompts and the target's greedy answers (resumable; see
     ``adaflash/datagen/job.py``)."""
+    from adaflash.datagen.card import write_card
     from adaflash.datagen.job import DataJob, DataJobConfig, shard_paths
     from adaflash.pull import resolve_target
+
+    if args.card:
+        print(write_card(Path(args.out)))
+        return 0
 
     cfg = DataJobConfig(
         out=Path(args.out),
@@ -275,6 +280,7 @@ def cmd_drafter_data(args: argparse.Namespace) -> int:
     job = DataJob(cfg, engine, tok, log=lambda m: print(time.strftime("%H:%M:%S"), m, flush=True))
     made = job.run()
     print(f"{len(made)} new shards; {len(shard_paths(cfg.out, cfg.seed))} in {cfg.out}")
+    print(f"data card: {write_card(cfg.out)}")
     return 0
 
 
@@ -296,6 +302,7 @@ def _add_drafter_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads (a background job: 1)")
     p.add_argument("--compile", action="store_true", help="compiled batched decode steps")
+    p.add_argument("--card", action="store_true", help="only (re)write the data card")
     p.set_defaults(func=cmd_drafter_data)
 
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 WORKLOADS_DIR = Path(__file__).resolve().parent.parent / "workloads"
-DOMAINS = ("math", "code", "chat", "blend")
+DOMAINS = ("math", "code", "chat", "blend", "edit", "quote")  # edit, quote: repetition is real
 SPLITS = ("train", "eval")
 
 

@@ -123,7 +123,8 @@ from lightning_modules.train import fit
 SPEC_METHODS = ("dflash", "osd", "adaflash", "oracle")
 STUDIES = ("paper", "policies", "both")
 POLICY_DRAFTERS = ("shipped", "weak", "oracle")
-POLICY_METHODS = ("head", "cost", "oracle-len")  # each with every drafter (+ ar, hf once)
+# each with every drafter (+ ar, hf once); ``cost-dflash``: ``cost`` without suffix drafts
+POLICY_METHODS = ("head", "cost", "cost-dflash", "oracle-len")
 # ``--capture-row``: plain decoding with the drafter attached (module docstring)
 CAPTURE_METHOD = "ar-capture"
 ROW_METHODS = (CAPTURE_METHOD, *POLICY_METHODS)  # a drafter's rows in the tables, in this order
@@ -132,8 +133,10 @@ ENGINE_POLICY: dict[str, Policy] = {
     CAPTURE_METHOD: "ar",
     "head": "head",
     "cost": "cost",
+    "cost-dflash": "cost",
     "oracle-len": "fixed",
 }
+SUFFIX_OFF = ("cost-dflash",)  # methods whose engines draft from the drafter alone
 WEAK_FLOOR = 0.97  # criterion (a): cost with the weak drafter keeps this share of ar
 ORACLE_SHARE = 0.90  # criterion (c): cost with the shipped drafter reaches this share of oracle-len
 
@@ -375,10 +378,15 @@ def run_llamacpp(peer: Any, prompts: list[list[int]], c: int, new: int) -> dict:
     return {"tokens_per_s": tokens / seconds, "output_tokens": tokens}
 
 
-def cell_config(policy: Policy, concurrency: int) -> EngineConfig:
-    """The engine settings of one concurrency (both studies)."""
+def cell_config(policy: Policy, concurrency: int, suffix: str = "global") -> EngineConfig:
+    """The engine settings of one concurrency (both studies). Suffix drafts draw on the
+    history of one run only (a fresh engine): a repeat never drafts from the answers of the
+    same prompts in an earlier one."""
     return EngineConfig(
-        policy=policy, max_running_requests=concurrency, max_batch_tokens=16 * concurrency
+        policy=policy,
+        max_running_requests=concurrency,
+        max_batch_tokens=16 * concurrency,
+        suffix=suffix,
     )
 
 
@@ -539,7 +547,7 @@ def policy_plan(
     plan += [(None, "llamacpp")] if with_llama else []
     plan += [(drafters[0], CAPTURE_METHOD)] if capture_row and drafters else []
     for d in drafters:
-        methods = POLICY_METHODS if d == "shipped" or not criteria_only else ("cost",)
+        methods = POLICY_METHODS if d == "shipped" or not criteria_only else ("cost", "cost-dflash")
         plan += [(d, m) for m in methods if not (d == "oracle" and m == "oracle-len")]
     return plan
 
@@ -566,7 +574,7 @@ def method_engine(
 ) -> Engine:
     """A fresh engine for one run of an engine method (its warm state carried over)."""
     name, method = key
-    cfg = cell_config(ENGINE_POLICY[method], c)
+    cfg = cell_config(ENGINE_POLICY[method], c, "off" if method in SUFFIX_OFF else "global")
     eos = tuple(s.eos)
     if name is None:
         return Engine(s.target, None, cfg, eos_token_ids=eos)

