@@ -100,16 +100,25 @@ def test_policy_plan_skips_the_oracle_drafters_length_oracle(compare: ModuleType
     assert plan[:2] == [(None, "ar"), (None, "hf")]
     assert ("shipped", "oracle-len") in plan and ("weak", "oracle-len") in plan
     assert ("oracle", "oracle-len") not in plan and ("oracle", "cost") in plan
-    assert len(plan) == 2 + 3 + 3 + 2
+    assert len(plan) == 2 + 4 + 4 + 3
     only = compare.policy_plan(["shipped", "weak", "oracle"], with_hf=False, criteria_only=True)
     assert only == [
         (None, "ar"),
         ("shipped", "head"),
         ("shipped", "cost"),
+        ("shipped", "cost-dflash"),
         ("shipped", "oracle-len"),
         ("weak", "cost"),
+        ("weak", "cost-dflash"),
         ("oracle", "cost"),
+        ("oracle", "cost-dflash"),
     ]
+
+
+def test_cost_dflash_is_the_cost_policy_without_suffix_drafts(compare: ModuleType) -> None:
+    assert compare.ENGINE_POLICY["cost-dflash"] == "cost"
+    assert compare.cell_config("cost", 4, "off").suffix == "off"
+    assert compare.cell_config("cost", 4).suffix == "global"
 
 
 def test_the_capture_row_is_plain_decoding_with_the_first_drafter_attached(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from adaflash.config import EngineConfig
+from adaflash.datagen.card import write_card
 from adaflash.datagen.job import DataJob, DataJobConfig, read_shards, shard_paths
 from adaflash.datagen.prompts import RequestFilter, normalize
 from adaflash.engine.engine import Engine
@@ -98,6 +99,8 @@ def test_job_seals_shards_with_cards_and_distinct_prompts(target_dir, tmp_path):
     trajectories = read_shards(shard_paths(cfg.out))
     assert len(trajectories) == len(prompts)
     assert make_job(target_dir, cfg).run() == []  # done shards are not made again
+    card = write_card(cfg.out).read_text()
+    assert f"2 shards, **{len(prompts):,} sequences**" in card and "magpie:casual/t1" in card
 
 
 def test_a_killed_job_resumes_to_the_same_shard(target_dir, tmp_path):
