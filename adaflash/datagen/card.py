@@ -15,7 +15,9 @@ NAMESPACES = {0: "training", 1: "held-out (self-written, seeds never used in tra
 def totals(folder: Path, seed: int) -> dict:
     """Summed cards of one namespace's sealed shards."""
     out: dict = {"shards": 0, "sequences": 0, "prompt_tokens": 0, "response_tokens": 0}
-    by_source, sampled, refused = Counter(), Counter(), Counter()
+    by_source: Counter[str] = Counter()
+    sampled: Counter[str] = Counter()
+    refused: Counter[str] = Counter()
     stopped = seconds = 0.0
     for path in sorted(folder.glob(f"shard-{seed:02d}-*.json")):
         card = json.loads(path.read_text())

@@ -163,14 +163,17 @@ class Engine:
         self._policy: Policy = make_policy(cfg.policy, self.block_size)
         self.gamma: float = cfg.gamma
         self.cost = CostModel()
-        self.counters = SpecCounters(self.block_size)
-        # the same, per source of the drafts: the drafter's ("dflash") and suffix drafts
-        self.source_counters = {s: SpecCounters(self.block_size) for s in ("dflash", "suffix")}
-        self.stats = EngineStats()
         # suffix drafts (``engine/suffix.py``): the n-grams a request drafts from, and the
-        # recently served sequences where ``cfg.suffix`` is "global"
-        self.suffix_cfg = SuffixConfig(max_draft=self.block_size - 1)
+        # recently served sequences where ``cfg.suffix`` is "global"; a proposal may be wider
+        # than the drafter's block (up to the widest compiled verification)
+        self.suffix_cfg = SuffixConfig()
         self.history = GlobalSuffixes(self.suffix_cfg) if cfg.suffix == "global" else None
+        # rounds verify up to the drafter's block or a suffix draft, whichever is wider
+        width = max(self.block_size, self.suffix_cfg.max_draft + 1)
+        self.counters = SpecCounters(width)
+        # the same, per source of the drafts: the drafter's ("dflash") and suffix drafts
+        self.source_counters = {s: SpecCounters(width) for s in ("dflash", "suffix")}
+        self.stats = EngineStats()
         # each answered probe: (unix time, slots compared, accepted), the newest PROBE_LOG —
         # what the drafter would have given had it been verified (the dashboard's drafter τ)
         self.probe_log: deque[tuple[float, int, int]] = deque(maxlen=PROBE_LOG)

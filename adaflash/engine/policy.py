@@ -270,7 +270,7 @@ class CostPolicy(Policy):
         # what the last plain step that won was decided from, and the steps it still stands
         self.standing: tuple[tuple[int, int, int, int], int] | None = None
         # what suffix drafts are worth (kept across drafter versions: they are not the drafter's)
-        self.suffix = SuffixProfile(block_size - 1)
+        self.suffix = SuffixProfile()
         self.suffix_expected = 0.0  # this step's suffix drafters' expected tokens
         self.reset()
 

@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+MAX_DRAFT = 15  # a suffix proposal's tokens at most: a verification of 16, the widest compiled
+
 
 @dataclass(frozen=True)
 class SuffixConfig:
@@ -27,7 +29,7 @@ class SuffixConfig:
 
     min_n: int = 2  # the shortest suffix that may propose (one token matches too much)
     max_n: int = 8
-    max_draft: int = 15  # tokens a proposal carries at most (a verification of 16)
+    max_draft: int = MAX_DRAFT  # tokens a proposal carries at most
     global_tokens: int = 200_000  # the global history's size in tokens
 
     def __post_init__(self) -> None:
@@ -157,7 +159,7 @@ class SuffixProfile:
     DECAY = 0.995  # ~200 slot observations of memory per bucket
     PRIOR_WEIGHT = 1.0
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int = MAX_DRAFT) -> None:
         self.slots = slots
         self.seen = [[0.0] * slots for _ in range(MATCH_BUCKETS)]
         self.ok = [[0.0] * slots for _ in range(MATCH_BUCKETS)]
